@@ -1,0 +1,3 @@
+"""The features ascendspeed offers, in the order their patches are applied (wraps stack in this order)."""
+FEATURE_MODULES = (
+)

@@ -1,0 +1,1 @@
+"""Hooks into host frameworks (Megatron-LM's training package)."""

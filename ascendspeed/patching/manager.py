@@ -1,0 +1,313 @@
+"""The patch manager: applies, stacks, sweeps, reports and reverts patches. Knows nothing of Megatron.
+
+Rules it enforces:
+
+* a target module that is already imported is patched at once; one that is not is patched the moment it
+  finishes loading (an import hook), so the adaptor can be imported before or after Megatron;
+* copies of the original bound elsewhere by ``from module import name`` are swept and swapped too, in
+  every loaded module and in every module that loads later;
+* at most one ``replace`` per target: a second one, from any feature, is an error naming both;
+* wraps stack on top of the replacement (or the original) in the order they were applied, the last
+  applied outermost;
+* applying the same patch for the same feature twice is a no-op; ``revert`` restores originals
+  everywhere, swept copies included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import sys
+import threading
+from typing import Any, Iterable, Optional
+
+from ascendspeed.patching.patch import (
+    EXISTS,
+    Patch,
+    PatchError,
+    PatchKind,
+    describe_signature,
+    installed_version,
+    resolve_owner,
+)
+
+
+@dataclasses.dataclass
+class _AppliedPatch:
+    feature: str
+    patch: Patch
+
+    @property
+    def key(self) -> tuple:
+        return (self.feature, self.patch.target, self.patch.kind, self.patch.name)
+
+
+@dataclasses.dataclass
+class _Target:
+    """Everything needed to recompute and undo one patched attribute."""
+
+    target: str
+    owner: Any
+    attribute: str
+    original: Any
+    owned_original: bool
+    sweep: bool
+    applied: list = dataclasses.field(default_factory=list)
+    current: Any = None
+    swept: list = dataclasses.field(default_factory=list)
+
+    def effective_value(self) -> Any:
+        base = self.original
+        for entry in self.applied:
+            if entry.patch.kind is PatchKind.REPLACE:
+                base = entry.patch.function
+        for entry in self.applied:
+            if entry.patch.kind is PatchKind.WRAP:
+                base = _apply_wrapper(entry.patch.function, base)
+        return base
+
+
+def _apply_wrapper(factory, original):
+    """Wrap plain functions directly; static and class methods keep their descriptor type."""
+    if isinstance(original, staticmethod):
+        return staticmethod(factory(original.__func__))
+    if isinstance(original, classmethod):
+        return classmethod(factory(original.__func__))
+    return factory(original)
+
+
+def _is_sweepable(value: Any) -> bool:
+    return callable(value) and not isinstance(value, (int, float, str, bytes, bool))
+
+
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    """Calls ``manager._on_module_loaded`` after each Python source module finishes executing."""
+
+    def __init__(self, manager: "PatchManager"):
+        self._manager = manager
+
+    def find_spec(self, fullname, path, target=None):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if isinstance(loader, importlib.machinery.SourceFileLoader) and "exec_module" not in vars(loader):
+            original_exec = loader.exec_module
+            manager = self._manager
+
+            def exec_module(module):
+                original_exec(module)
+                manager._on_module_loaded(module)
+
+            loader.exec_module = exec_module
+        return spec
+
+
+class PatchManager:
+    def __init__(self):
+        self._targets: dict[str, _Target] = {}
+        self._pending: dict[str, list[_AppliedPatch]] = {}
+        self._hook: Optional[_PostImportHook] = None
+        self._lock = threading.RLock()
+
+    # -- public API -------------------------------------------------------------------------
+    def apply(self, feature: str, patches: Iterable[Patch]) -> None:
+        """Apply ``patches`` on behalf of ``feature``; patches on unloaded modules wait for their import."""
+        with self._lock:
+            for patch in patches:
+                entry = _AppliedPatch(feature, patch)
+                if self._is_known(entry):
+                    continue
+                module = sys.modules.get(patch.module_name)
+                if module is None or self._is_loading(module):
+                    self._pending.setdefault(patch.module_name, []).append(entry)
+                    self._ensure_hook()
+                else:
+                    self._apply_now(entry, module)
+
+    def revert(self, feature: Optional[str] = None) -> None:
+        """Undo the patches of ``feature`` (all features when None), restoring originals everywhere."""
+        with self._lock:
+            for module_name in list(self._pending):
+                kept = [e for e in self._pending[module_name] if feature is not None and e.feature != feature]
+                if kept:
+                    self._pending[module_name] = kept
+                else:
+                    del self._pending[module_name]
+            for name in list(self._targets):
+                record = self._targets[name]
+                record.applied = [e for e in record.applied if feature is not None and e.feature != feature]
+                if record.applied:
+                    self._install(record)
+                else:
+                    self._restore(record)
+                    del self._targets[name]
+            if not self._targets and not self._pending:
+                self._remove_hook()
+
+    def report(self) -> list[dict]:
+        """One row per patch: feature, kind, target, name, state (applied or waiting for import)."""
+        with self._lock:
+            rows = []
+            for record in self._targets.values():
+                for entry in record.applied:
+                    rows.append(self._row(entry, "applied", len(record.swept)))
+            for entries in self._pending.values():
+                rows.extend(self._row(entry, "pending import", 0) for entry in entries)
+            return rows
+
+    def features(self) -> set[str]:
+        return {row["feature"] for row in self.report()}
+
+    def format_report(self) -> str:
+        rows = self.report()
+        if not rows:
+            return "ascendspeed: no patches applied"
+        lines = [f"{'feature':<18} {'kind':<8} {'state':<15} {'copies':>6}  target"]
+        for row in sorted(rows, key=lambda r: (r["feature"], r["target"])):
+            lines.append(
+                f"{row['feature']:<18} {row['kind']:<8} {row['state']:<15} {row['swept_copies']:>6}  {row['target']}"
+            )
+        return "\n".join(lines)
+
+    # -- applying -----------------------------------------------------------------------------
+    @staticmethod
+    def _row(entry: _AppliedPatch, state: str, swept: int) -> dict:
+        return {
+            "feature": entry.feature,
+            "kind": entry.patch.kind.value,
+            "target": entry.patch.target,
+            "name": entry.patch.name,
+            "state": state,
+            "swept_copies": swept,
+        }
+
+    def _is_known(self, entry: _AppliedPatch) -> bool:
+        record = self._targets.get(entry.patch.target)
+        if record and any(e.key == entry.key for e in record.applied):
+            return True
+        return any(e.key == entry.key for e in self._pending.get(entry.patch.module_name, ()))
+
+    @staticmethod
+    def _is_loading(module) -> bool:
+        spec = getattr(module, "__spec__", None)
+        return bool(spec is not None and getattr(spec, "_initializing", False))
+
+    def _apply_now(self, entry: _AppliedPatch, module) -> None:
+        patch = entry.patch
+        record = self._targets.get(patch.target)
+        if record is None:
+            record = self._new_record(entry, module)
+        self._check_conflict(record, entry)
+        record.applied.append(entry)
+        self._install(record)
+        if patch.target not in self._targets:
+            self._targets[patch.target] = record
+            self._ensure_hook()
+
+    def _new_record(self, entry: _AppliedPatch, module) -> _Target:
+        patch = entry.patch
+        try:
+            owner, attribute = resolve_owner(patch, module)
+        except AttributeError as exc:
+            raise self._error(entry, "the target's parent does not exist", f"missing ({exc})") from None
+        owned = isinstance(owner, type) and attribute in vars(owner) or not isinstance(owner, type)
+        if isinstance(owner, type):
+            if not hasattr(owner, attribute):
+                raise self._error(entry, "the attribute to exist", "missing")
+            original = vars(owner)[attribute] if attribute in vars(owner) else getattr(owner, attribute)
+        else:
+            if not hasattr(owner, attribute):
+                raise self._error(entry, "the attribute to exist", "missing")
+            original = getattr(owner, attribute)
+        if patch.expect is not EXISTS:
+            found = describe_signature(original)
+            if found != patch.expect:
+                raise self._error(entry, f"signature {patch.expect}", f"signature {found}")
+        return _Target(
+            target=patch.target,
+            owner=owner,
+            attribute=attribute,
+            original=original,
+            owned_original=owned,
+            sweep=patch.sweep and not isinstance(owner, type) and _is_sweepable(original),
+            current=original,
+        )
+
+    def _check_conflict(self, record: _Target, entry: _AppliedPatch) -> None:
+        if entry.patch.kind is not PatchKind.REPLACE:
+            return
+        for other in record.applied:
+            if other.patch.kind is PatchKind.REPLACE:
+                raise PatchError(
+                    f"ascendspeed: features {other.feature!r} (patch {other.patch.name!r}) and "
+                    f"{entry.feature!r} (patch {entry.patch.name!r}) both replace {record.target}; "
+                    "only one replacement per target is allowed: disable one of the two features, "
+                    "or turn one patch into a wrap"
+                )
+
+    def _error(self, entry: _AppliedPatch, expected: str, found: str) -> PatchError:
+        return PatchError(
+            f"ascendspeed: patch {entry.patch.name!r} of feature {entry.feature!r} cannot be applied to "
+            f"{entry.patch.target}: expected {expected}, found {found} "
+            f"(installed megatron-core {installed_version()}). The upstream code changed: "
+            "update the patch for this version or use a supported megatron-core."
+        )
+
+    # -- installing, sweeping, restoring --------------------------------------------------------
+    def _install(self, record: _Target) -> None:
+        previous = record.current
+        new = record.effective_value()
+        setattr(record.owner, record.attribute, new)
+        record.current = new
+        if record.sweep:
+            for namespace, key in record.swept:
+                namespace[key] = new
+            for module in list(sys.modules.values()):
+                self._sweep_module(record, module, (record.original, previous))
+
+    def _sweep_module(self, record: _Target, module, stale_values) -> None:
+        namespace = getattr(module, "__dict__", None)
+        if namespace is None or module is record.owner:
+            return
+        for key, value in list(namespace.items()):
+            if any(value is stale for stale in stale_values) and value is not record.current:
+                namespace[key] = record.current
+                record.swept.append((namespace, key))
+
+    def _restore(self, record: _Target) -> None:
+        if record.owned_original:
+            setattr(record.owner, record.attribute, record.original)
+        else:
+            delattr(record.owner, record.attribute)
+        for namespace, key in record.swept:
+            if namespace.get(key) is record.current:
+                namespace[key] = record.original
+        record.swept.clear()
+        record.current = record.original
+
+    def _on_module_loaded(self, module) -> None:
+        with self._lock:
+            for entry in self._pending.pop(module.__name__, []):
+                self._apply_now(entry, module)
+            for record in self._targets.values():
+                if record.sweep:
+                    self._sweep_module(record, module, (record.original,))
+
+    def _ensure_hook(self) -> None:
+        if self._hook is None:
+            self._hook = _PostImportHook(self)
+            sys.meta_path.insert(0, self._hook)
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            sys.meta_path.remove(self._hook)
+            self._hook = None
+
+
+MANAGER = PatchManager()

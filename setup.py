@@ -1,0 +1,47 @@
+"""Build ascendspeed and its C++ operator library ``ascendspeed._C``.
+
+Every ``*.cpp`` under ``ascendspeed/csrc/`` is compiled into one torch extension, so a new kernel is
+just a new source file. Build with ``pip install --no-build-isolation -e .`` (build isolation would
+download a different torch than the pinned one).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - exercised only on a machine without torch
+    raise SystemExit(
+        "ascendspeed builds against an installed torch: run `pip install torch==2.13.0` first, "
+        "then `pip install --no-build-isolation -e .`"
+    ) from exc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = sorted(
+    os.path.relpath(path, HERE)
+    for path in glob.glob(os.path.join(HERE, "ascendspeed", "csrc", "**", "*.cpp"), recursive=True)
+)
+
+setup(
+    name="ascendspeed",
+    version="0.1.0",
+    description="Accelerator plugin for Megatron-LM: ALiBi, fused SwiGLU, overlapped DDP gradient reduction",
+    packages=find_packages(include=["ascendspeed", "ascendspeed.*"]),
+    package_data={"ascendspeed": ["training/data/*.txt.gz"]},
+    python_requires=">=3.10",
+    install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy"],
+    extras_require={
+        "test": ["pytest"],
+        "bench": ["matplotlib"],
+        "npu": ["torch_npu"],
+    },
+    ext_modules=[
+        CppExtension(
+            name="ascendspeed._C",
+            sources=SOURCES,
+            extra_compile_args=["-O3", "-std=c++17"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
