@@ -5,7 +5,8 @@ Rules it enforces:
 * a target module that is already imported is patched at once; one that is not is patched the moment it
   finishes loading (an import hook), so the adaptor can be imported before or after Megatron;
 * copies of the original bound elsewhere by ``from module import name`` are swept and swapped too, in
-  every loaded module and in every module that loads later;
+  every loaded module and in every module that loads later (ascendspeed's own modules excepted: they
+  keep originals on purpose; others ask ``PatchManager.original(target)``);
 * at most one ``replace`` per target: a second one, from any feature, is an error naming both;
 * wraps stack on top of the replacement (or the original) in the order they were applied, the last
   applied outermost;
@@ -54,7 +55,7 @@ class _Target:
     sweep: bool
     applied: list = dataclasses.field(default_factory=list)
     current: Any = None
-    swept: list = dataclasses.field(default_factory=list)
+    swept: dict = dataclasses.field(default_factory=dict)
 
     def effective_value(self) -> Any:
         base = self.original
@@ -74,6 +75,12 @@ def _apply_wrapper(factory, original):
     if isinstance(original, classmethod):
         return classmethod(factory(original.__func__))
     return factory(original)
+
+
+def _is_own_module(module) -> bool:
+    """ascendspeed's modules keep references to originals on purpose (fallbacks): never sweep them."""
+    name = getattr(module, "__name__", "") or ""
+    return name == "ascendspeed" or name.startswith("ascendspeed.")
 
 
 def _is_sweepable(value: Any) -> bool:
@@ -160,6 +167,14 @@ class PatchManager:
             for entries in self._pending.values():
                 rows.extend(self._row(entry, "pending import", 0) for entry in entries)
             return rows
+
+    def original(self, target: str) -> Any:
+        """What ``target`` held before any patch (sweeping rebinds other modules' copies, so ask here)."""
+        with self._lock:
+            record = self._targets.get(target)
+            if record is None:
+                raise KeyError(f"{target} is not patched")
+            return record.original
 
     def features(self) -> set[str]:
         return {row["feature"] for row in self.report()}
@@ -261,31 +276,39 @@ class PatchManager:
 
     # -- installing, sweeping, restoring --------------------------------------------------------
     def _install(self, record: _Target) -> None:
-        previous = record.current
         new = record.effective_value()
         setattr(record.owner, record.attribute, new)
         record.current = new
         if record.sweep:
-            for namespace, key in record.swept:
+            for (_, key), namespace in record.swept.items():
                 namespace[key] = new
             for module in list(sys.modules.values()):
-                self._sweep_module(record, module, (record.original, previous))
+                self._sweep_module(record, module, bound_after_patch=False)
 
-    def _sweep_module(self, record: _Target, module, stale_values) -> None:
+    def _sweep_module(self, record: _Target, module, bound_after_patch: bool) -> None:
+        """Point copies of the original in ``module`` at the patch, remembering them for ``revert``.
+
+        A module that loads after the patch may hold the patch itself (``from target import name``);
+        that binding is remembered too, but only under the target's own name, so that a feature module
+        defining the replacement is never mistaken for a copy.
+        """
         namespace = getattr(module, "__dict__", None)
-        if namespace is None or module is record.owner:
+        if namespace is None or module is record.owner or _is_own_module(module):
             return
         for key, value in list(namespace.items()):
-            if any(value is stale for stale in stale_values) and value is not record.current:
+            is_copy = value is record.original or (
+                bound_after_patch and value is record.current and key == record.attribute
+            )
+            if is_copy:
                 namespace[key] = record.current
-                record.swept.append((namespace, key))
+                record.swept[(id(namespace), key)] = namespace
 
     def _restore(self, record: _Target) -> None:
         if record.owned_original:
             setattr(record.owner, record.attribute, record.original)
         else:
             delattr(record.owner, record.attribute)
-        for namespace, key in record.swept:
+        for (_, key), namespace in record.swept.items():
             if namespace.get(key) is record.current:
                 namespace[key] = record.original
         record.swept.clear()
@@ -297,7 +320,7 @@ class PatchManager:
                 self._apply_now(entry, module)
             for record in self._targets.values():
                 if record.sweep:
-                    self._sweep_module(record, module, (record.original,))
+                    self._sweep_module(record, module, bound_after_patch=True)
 
     def _ensure_hook(self) -> None:
         if self._hook is None:
