@@ -1,0 +1,57 @@
+"""The adaptor entry: version gate, idempotent import, report, and the Megatron-LM argument hooks."""
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+import ascendspeed.megatron_adaptor  # noqa: F401 - the import under test
+from ascendspeed import adaptor
+from ascendspeed.patching import MANAGER
+
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+
+
+def test_importing_the_adaptor_twice_changes_nothing():
+    before = MANAGER.report()
+    importlib.reload(ascendspeed.megatron_adaptor)
+    adaptor.install()
+    assert MANAGER.report() == before
+
+
+@pytest.mark.parametrize("found", ["0.12.0", "0.17.0", "1.0.0"])
+def test_unsupported_megatron_core_names_the_supported_range(monkeypatch, found):
+    monkeypatch.setattr(adaptor, "version", lambda name: found)
+    with pytest.raises(ImportError, match=rf"supports megatron-core >=0\.16\.0,<0\.17\.0, found {found}"):
+        adaptor.check_megatron_core_version()
+
+
+def test_installed_megatron_core_is_supported():
+    assert adaptor.check_megatron_core_version() == "0.16.1"
+
+
+def test_list_entry_point_prints_the_patches():
+    out = subprocess.run(
+        [sys.executable, "-m", "ascendspeed.megatron_adaptor", "--list"],
+        capture_output=True, text=True, check=True, env={**os.environ, "ASCENDSPEED_DEVICE": "cpu"},
+    ).stdout
+    assert "megatron.training.arguments:validate_args" in out
+    assert "megatron_lm" in out
+
+
+@pytest.mark.skipif(not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+def test_megatron_lm_parser_knows_ascendspeed_flags():
+    sys.path.insert(0, MEGATRON_LM_PATH)
+    from megatron.training import arguments
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    from ascendspeed.features import all_features
+
+    for feature in all_features():
+        probe = argparse.ArgumentParser(add_help=False)
+        feature.add_arguments(probe)
+        for action in probe._actions:
+            for flag in action.option_strings:
+                assert flag in parser._option_string_actions, f"{flag} of {feature.name} not registered"
