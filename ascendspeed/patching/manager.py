@@ -92,18 +92,22 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
 
     def __init__(self, manager: "PatchManager"):
         self._manager = manager
+        self._resolving = threading.local()
 
     def find_spec(self, fullname, path, target=None):
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        resolving = self._resolving.__dict__.setdefault("names", set())
+        if fullname in resolving:  # asked again by another hook that is asking every finder
+            return None
+        resolving.add(fullname)
+        try:
+            spec = self._find_with_other_finders(fullname, path, target)
+        finally:
+            resolving.discard(fullname)
+        if spec is None:
             return None
         loader = spec.loader
-        if isinstance(loader, importlib.machinery.SourceFileLoader) and "exec_module" not in vars(loader):
+        if isinstance(loader, importlib.machinery.SourceFileLoader):
+            # Chain on whatever exec_module the loader has now: another manager's hook may have wrapped it.
             original_exec = loader.exec_module
             manager = self._manager
 
@@ -113,6 +117,14 @@ class _PostImportHook(importlib.abc.MetaPathFinder):
 
             loader.exec_module = exec_module
         return spec
+
+    def _find_with_other_finders(self, fullname, path, target):
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+        return None
 
 
 class PatchManager:

@@ -188,3 +188,15 @@ def test_original_is_kept_for_callers_that_need_it(modules):
     assert manager.original(f"{target}:scale") is original
     with pytest.raises(KeyError):
         manager.original(f"{target}:LIMIT")
+
+
+def test_two_managers_both_see_a_later_import(modules):
+    manager, target, _ = modules
+    other = PatchManager()
+    try:
+        other.apply("other", [wrap(f"{target}:scale", add_one, expect=SCALE)])
+        manager.apply("feat", [wrap(f"{target}:LIMIT", lambda limit: limit + 1, expect=EXISTS)])
+        tgt = importlib.import_module(target)
+        assert tgt.scale(1) == 3 and tgt.LIMIT == 4
+    finally:
+        other.revert()
