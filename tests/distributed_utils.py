@@ -3,7 +3,12 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), initialises
 ``torch.distributed`` with gloo in each, calls ``fn(rank, world_size, *args)`` and returns the list of
 per-rank return values (which must be picklable: move tensors to CPU). An exception in any rank fails
-the caller with that rank's traceback.
+the caller with that rank's traceback, and the other ranks (likely blocked in a collective waiting for
+the failed one) are stopped a few seconds later instead of hanging until the timeout.
+
+Ranks meet through a file store in a private temporary directory, not a TCP port: a port picked free by
+the parent can be taken by a concurrently running test before rank 0 binds it, which made ranks retry
+connecting to a stranger until the timeout.
 """
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+#: Seconds the other ranks get to finish after one rank failed, before they are stopped.
+FAILURE_GRACE_S = 5.0
 
 
 def _free_port() -> int:
@@ -36,14 +45,29 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     torch.set_num_threads(1)
     outcome = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        store = os.path.join(result_dir, "rendezvous")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         outcome["value"] = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         outcome["error"] = f"rank {rank}:\n{traceback.format_exc()}"
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    torch.save(outcome, os.path.join(result_dir, f"rank{rank}.pt"))
+    partial = os.path.join(result_dir, f"rank{rank}.partial")
+    torch.save(outcome, partial)
+    os.replace(partial, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def _first_error(result_dir, world_size, succeeded):
+    """The traceback of a rank that has failed so far, or None; ``succeeded`` caches ranks seen to succeed."""
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"rank{rank}.pt")
+        if rank not in succeeded and os.path.exists(path):
+            outcome = torch.load(path, weights_only=False)
+            if "error" in outcome:
+                return outcome["error"]
+            succeeded.add(rank)
+    return None
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
@@ -57,7 +81,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
+        failed_at, error, succeeded = None, None, set()
         while not context.join(timeout=1.0):
+            if error is None:
+                error = _first_error(result_dir, world_size, succeeded)
+                failed_at = time.monotonic() if error is not None else None
+            if error is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
+                for process in context.processes:
+                    process.kill()
+                raise AssertionError("distributed test failed (the other ranks were stopped)\n" + error)
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.kill()

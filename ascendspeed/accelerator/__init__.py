@@ -1,15 +1,174 @@
-"""Device selection (npu / cuda / cpu) and the shims each device needs. (Being written.)"""
+"""Which device Megatron runs on (npu, cuda or cpu) and the shims that device needs.
+
+``import ascendspeed.megatron_adaptor`` calls ``install()`` once:
+
+* ``npu`` when ``torch_npu`` imports and reports an NPU: torch_npu's own CUDA-to-NPU redirection
+  (``torch_npu.contrib.transfer_to_npu``) makes Megatron's ``torch.cuda`` calls reach the NPU;
+* ``cuda`` when torch sees a CUDA device: Megatron's native platform, nothing is patched;
+* ``cpu`` otherwise: the shims of feature ``accelerator.cpu`` give Megatron's CUDA spellings CPU meanings
+  (see ``cpu_runtime``, ``cpu_tensors``, ``cpu_megatron_core``, ``cpu_megatron_lm``, ``triton_guard``), and
+  feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``).
+  They are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
+  ``MANAGER.revert(name)`` for one of them).
+
+``ASCENDSPEED_DEVICE=cpu|cuda|npu`` forces the choice (a device that is not there is an error).
+Other code asks ``current_device()`` (a ``torch.device``) or ``device_type()`` instead of spelling "cuda".
+"""
+from __future__ import annotations
+
+import logging
 import os
+from typing import Optional
+
+import torch
 
 from ascendspeed.patching import MANAGER, PatchManager
 
+DEVICES = ("npu", "cuda", "cpu")
+ENVIRONMENT_VARIABLE = "ASCENDSPEED_DEVICE"
+CPU_FEATURE = "accelerator.cpu"
+GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
+NPU_FEATURE = "accelerator.npu"
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE)
+
+logger = logging.getLogger(__name__)
+
+_installed: Optional[str] = None
+
+
+class DeviceSelectionError(RuntimeError):
+    """The requested device is unknown or not present."""
+
+
+def _npu_absence() -> Optional[str]:
+    """Why no NPU can be used, or None when one can."""
+    try:
+        import torch_npu  # noqa: F401 - registers torch.npu
+    except Exception as error:  # noqa: BLE001 - torch_npu raises more than ImportError without its drivers
+        return f"torch_npu does not import: {error}"
+    if not (torch.npu.is_available() and torch.npu.device_count() > 0):
+        return "torch_npu reports no NPU"
+    return None
+
+
+def _npu_present() -> bool:
+    return _npu_absence() is None
+
+
+def _cuda_present() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def forced_device() -> Optional[str]:
+    """The device named by ``ASCENDSPEED_DEVICE``, or None when unset; an unknown name is an error."""
+    value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    if value not in DEVICES:
+        raise DeviceSelectionError(
+            f"{ENVIRONMENT_VARIABLE}={os.environ[ENVIRONMENT_VARIABLE]!r} is not a device ascendspeed knows; "
+            f"use one of {', '.join(DEVICES)}, or unset it to pick the first present of npu, cuda, cpu"
+        )
+    return value
+
 
 def select_device() -> str:
-    forced = os.environ.get("ASCENDSPEED_DEVICE")
+    """``"npu"``, ``"cuda"`` or ``"cpu"``: the forced device if present, else the first present."""
+    forced = forced_device()
+    if forced == "npu" and _npu_absence():
+        raise DeviceSelectionError(f"{ENVIRONMENT_VARIABLE}=npu, but no NPU is usable ({_npu_absence()})")
+    if forced == "cuda" and not _cuda_present():
+        raise DeviceSelectionError(
+            f"{ENVIRONMENT_VARIABLE}=cuda, but torch sees no CUDA device (torch.cuda.is_available() is False)"
+        )
     if forced:
         return forced
+    if _npu_present():
+        return "npu"
+    if _cuda_present():
+        return "cuda"
     return "cpu"
 
 
+def cpu_patches():
+    """The shims of feature ``accelerator.cpu``, in the order they are applied."""
+    from ascendspeed.accelerator import cpu_megatron_core, cpu_megatron_lm, cpu_runtime, cpu_tensors, triton_guard
+
+    return (
+        cpu_runtime.patches()
+        + cpu_tensors.patches()
+        + cpu_megatron_core.rng_patches()
+        + cpu_megatron_lm.patches()
+        + triton_guard.patches()
+    )
+
+
+def gloo_p2p_patches():
+    """The shims of feature ``accelerator.cpu.gloo_p2p`` (separate so a test can show what it prevents)."""
+    from ascendspeed.accelerator import cpu_megatron_core
+
+    return cpu_megatron_core.p2p_patches()
+
+
+def _install_npu(manager: PatchManager) -> None:
+    import torch_npu  # noqa: F401
+    from torch_npu.contrib import transfer_to_npu  # noqa: F401 - redirects torch.cuda and "cuda" to the NPU
+
+    from ascendspeed.accelerator import triton_guard
+
+    manager.apply(NPU_FEATURE, triton_guard.patches())
+
+
 def install(manager: PatchManager = MANAGER) -> str:
-    return select_device()
+    """Select the device, install its shims, log the choice (once); returns the device name."""
+    global _installed
+    device = select_device()
+    if device == "cpu":
+        manager.apply(CPU_FEATURE, cpu_patches())
+        manager.apply(GLOO_P2P_FEATURE, gloo_p2p_patches())
+    elif device == "npu":
+        _install_npu(manager)
+    if _installed != device:
+        how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
+        logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
+        _installed = device
+    return device
+
+
+def uninstall(manager: PatchManager = MANAGER) -> None:
+    """Revert every device shim (torch_npu's own redirection cannot be undone)."""
+    global _installed
+    for feature in FEATURES:
+        manager.revert(feature)
+    _installed = None
+
+
+def device_type() -> str:
+    """The device type name of the installed (or else the selectable) device."""
+    return _installed or select_device()
+
+
+def current_device() -> torch.device:
+    """The ``torch.device`` this process computes on: what to pass where Megatron passes "cuda"."""
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "npu":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+__all__ = [
+    "CPU_FEATURE",
+    "DEVICES",
+    "DeviceSelectionError",
+    "FEATURES",
+    "GLOO_P2P_FEATURE",
+    "NPU_FEATURE",
+    "current_device",
+    "device_type",
+    "forced_device",
+    "install",
+    "select_device",
+    "uninstall",
+]

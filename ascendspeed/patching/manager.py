@@ -295,25 +295,21 @@ class PatchManager:
             for (_, key), namespace in record.swept.items():
                 namespace[key] = new
             for module in list(sys.modules.values()):
-                self._sweep_module(record, module, bound_after_patch=False)
+                self._sweep_module(record, module)
 
-    def _sweep_module(self, record: _Target, module, bound_after_patch: bool) -> None:
-        """Point copies of the original in ``module`` at the patch, remembering them for ``revert``.
-
-        A module that loads after the patch may hold the patch itself (``from target import name``);
-        that binding is remembered too, but only under the target's own name, so that a feature module
-        defining the replacement is never mistaken for a copy.
-        """
+    def _sweep_module(self, record: _Target, module) -> None:
+        """Point copies of the original in an already-loaded ``module`` at the patch, remembering them."""
         namespace = getattr(module, "__dict__", None)
         if namespace is None or module is record.owner or _is_own_module(module):
             return
         for key, value in list(namespace.items()):
-            is_copy = value is record.original or (
-                bound_after_patch and value is record.current and key == record.attribute
-            )
-            if is_copy:
-                namespace[key] = record.current
-                record.swept[(id(namespace), key)] = namespace
+            if value is record.original:
+                self._rebind(record, namespace, key)
+
+    @staticmethod
+    def _rebind(record: _Target, namespace: dict, key: str) -> None:
+        namespace[key] = record.current
+        record.swept[(id(namespace), key)] = namespace
 
     def _restore(self, record: _Target) -> None:
         if record.owned_original:
@@ -327,12 +323,28 @@ class PatchManager:
         record.current = record.original
 
     def _on_module_loaded(self, module) -> None:
+        """Apply patches waiting for ``module``, then sweep it in one pass over its namespace.
+
+        A module that loads after a patch may hold the original (a circular import) or the patch itself
+        (``from target import name``); the latter is remembered, so ``revert`` restores it, but only under
+        the target's own name, so that a module defining the replacement is never mistaken for a copy.
+        """
         with self._lock:
             for entry in self._pending.pop(module.__name__, []):
                 self._apply_now(entry, module)
-            for record in self._targets.values():
-                if record.sweep:
-                    self._sweep_module(record, module, bound_after_patch=True)
+            namespace = getattr(module, "__dict__", None)
+            records = [r for r in self._targets.values() if r.sweep and r.owner is not module]
+            if namespace is None or not records or _is_own_module(module):
+                return
+            originals = {id(r.original): r for r in records}
+            patched = {id(r.current): r for r in records}
+            for key, value in list(namespace.items()):
+                record = originals.get(id(value))
+                if record is None:
+                    record = patched.get(id(value))
+                    if record is None or key != record.attribute:
+                        continue
+                self._rebind(record, namespace, key)
 
     def _ensure_hook(self) -> None:
         if self._hook is None:

@@ -1,0 +1,132 @@
+"""The megatron-core sites the generic CPU shims cannot reach: the RNG tracker and pipeline p2p on gloo.
+
+* ``tensor_parallel.random._set_cuda_rng_state`` restores RNG states through ``torch.cuda._lazy_call``,
+  which on a CPU-only torch *queues the call forever*: the tracker would never switch states and every
+  "forked" dropout mask would come from the default stream, silently. It sets the CPU generator instead.
+  Its tracker's ``fork`` also warns "CPU RNG state changed within GPU RNG context" whenever the forked body
+  draws random numbers; on the CPU that is the intended behaviour, so the warning is dropped while forking.
+* ``pipeline_parallel.p2p_communication._batched_p2p_ops`` posts its sends and receives untagged. With
+  pipeline size 2 the previous and the next stage are the same process; the interleaved (virtual
+  pipeline) schedule then sends an activation and a gradient to the same peer in one batch, in the order
+  (gradient, activation), while the peer receives (activation, gradient). gloo pairs untagged messages in
+  posting order, so the two tensors (of equal shape) are swapped and the loss is silently wrong. Tagging
+  the forward direction (activations: send-next / receive-prev) and the backward direction (gradients:
+  send-prev / receive-next) differently makes each direction its own ordered channel.
+* ``pipeline_parallel.schedules.deallocate_output_tensor`` swaps a sent activation's storage for a
+  1-element tensor right after posting the send (Megatron-LM always asks for it). With
+  ``overlap_p2p_comm`` (Megatron-LM's default for the interleaved schedule) the send is still in flight
+  then. On NCCL the caching allocator does not reuse memory a pending send's stream still reads; gloo
+  sends from a background thread that reads the freed memory, so the next stage sometimes receives
+  garbage (NaN losses, at random). On the CPU the pseudo-free still happens (``custom_backward`` relies on
+  it) but the tensor keeps a reference to its old storage, released with the tensor after backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+
+import torch
+
+from ascendspeed.patching import replace, wrap
+
+RANDOM_MODULE = "megatron.core.tensor_parallel.random"
+P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
+SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+
+#: gloo message tags of the two pipeline directions (0 stays the default of all other traffic).
+ACTIVATION_TAG = 1
+GRADIENT_TAG = 2
+
+
+def set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+    """Set the device RNG, which on the CPU is ``torch.default_generator``, now (not lazily)."""
+    torch.default_generator.set_state(new_state)
+
+
+class _DropCpuRngChangedWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+_CPU_RNG_FILTER = _DropCpuRngChangedWarning()
+
+
+def _wrap_fork(original):
+    logger = logging.getLogger(RANDOM_MODULE)
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def fork(self, *args, **kwargs):
+        logger.addFilter(_CPU_RNG_FILTER)
+        try:
+            with original(self, *args, **kwargs):
+                yield
+        finally:
+            logger.removeFilter(_CPU_RNG_FILTER)
+
+    return fork
+
+
+def batched_p2p_ops(
+    *,
+    tensor_send_prev,
+    tensor_recv_prev,
+    tensor_send_next,
+    tensor_recv_next,
+    group,
+    prev_pipeline_rank: int,
+    next_pipeline_rank: int,
+):
+    """Megatron's batched pipeline exchange with activations and gradients on distinct tags."""
+    dist = torch.distributed
+    planned = (
+        (dist.isend, tensor_send_prev, prev_pipeline_rank, GRADIENT_TAG),
+        (dist.irecv, tensor_recv_prev, prev_pipeline_rank, ACTIVATION_TAG),
+        (dist.isend, tensor_send_next, next_pipeline_rank, ACTIVATION_TAG),
+        (dist.irecv, tensor_recv_next, next_pipeline_rank, GRADIENT_TAG),
+    )
+    ops = [dist.P2POp(op, tensor, peer, group, tag) for op, tensor, peer, tag in planned if tensor is not None]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wrap_deallocate_output_tensor(original):
+    @functools.wraps(original)
+    def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        in_flight = out.data if (out is not None and deallocate_pipeline_outputs) else None
+        original(out, deallocate_pipeline_outputs)
+        if in_flight is not None:
+            out.ascendspeed_storage_in_flight = in_flight
+
+    return deallocate_output_tensor
+
+
+_P2P_SIGNATURE = (
+    "(*, tensor_send_prev: Optional[torch.Tensor], tensor_recv_prev: Optional[torch.Tensor], "
+    "tensor_send_next: Optional[torch.Tensor], tensor_recv_next: Optional[torch.Tensor], "
+    "group: torch.distributed.distributed_c10d.ProcessGroup, prev_pipeline_rank: int, next_pipeline_rank: int)"
+)
+
+
+def rng_patches():
+    return [
+        replace(f"{RANDOM_MODULE}:_set_cuda_rng_state", set_cuda_rng_state,
+                expect="(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False)",
+                name="cpu rng: set the CPU generator instead of a lazily queued CUDA call"),
+        wrap(f"{RANDOM_MODULE}:CudaRNGStatesTracker.fork", _wrap_fork, expect="(self, name='model-parallel-rng')",
+             name="cpu rng: the forked RNG is the CPU's, drop the warning that it changed"),
+    ]
+
+
+def p2p_patches():
+    return [
+        replace(f"{P2P_MODULE}:_batched_p2p_ops", batched_p2p_ops, expect=_P2P_SIGNATURE,
+                name="gloo p2p: tag activations and gradients apart (pipeline size 2 + virtual pipeline)"),
+        wrap(f"{SCHEDULES_MODULE}:deallocate_output_tensor", _wrap_deallocate_output_tensor,
+                expect="(out, deallocate_pipeline_outputs=False)",
+                name="gloo p2p: keep sent activations' memory while gloo may still read it"),
+    ]
+
+
+def patches():
+    return rng_patches() + p2p_patches()

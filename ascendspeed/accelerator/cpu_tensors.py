@@ -1,0 +1,111 @@
+"""Tensor-level CUDA spellings given CPU meanings: ``device="cuda"`` literals, ``.cuda()``, type names.
+
+Megatron spells "the device" three ways besides ``torch.cuda.current_device()``:
+
+* ``torch.zeros(..., device="cuda")`` and friends (optimizer, grad scaler, clip_grads, schedules,
+  ``local_multi_tensor_l2_norm``, Megatron-LM's jit warm-up). Only the tensor *factories* are wrapped,
+  and only their ``device`` keyword is rewritten: every other torch call keeps its C fast path
+  (a global ``TorchFunctionMode`` would tax every op, and confuse ``torch.compile``); TorchScript still
+  compiles calls to a wrapped factory as its ATen op;
+* ``tensor.cuda()`` (batches, state dicts, ``Module.cuda()``, which calls it per tensor): returns the
+  tensor on the CPU, as ``.cuda()`` returns a tensor already on the device unchanged;
+* ``param.type() == 'torch.cuda.FloatTensor'`` (optimizer, distributed optimizer, clip_grads) selects fp32
+  vs fp16 handling. A CPU tensor's ``type()`` keeps its true name (``'torch.FloatTensor'``) but returns it
+  as a ``str`` that also compares equal to the ``torch.cuda.`` spelling, so those checks take the branch
+  they take on a GPU, while printing and hashing stay those of the plain name.
+
+Only the CUDA spellings change: ``device="cpu"``, ``"meta"`` and every other device are left untouched.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ascendspeed.patching import EXISTS, replace, wrap
+
+CPU = torch.device("cpu")
+
+#: Tensor factories Megatron calls with ``device="cuda"`` (or may: the whole family of each).
+FACTORIES = (
+    "tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint",
+    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
+)
+
+
+def is_cuda_spelling(device) -> bool:
+    """True for ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` and bare indices (torch reads an int
+    device as an index of the accelerator, which is CUDA's in Megatron's code)."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_REDIRECTED = {}
+
+
+def _redirect_device_keyword(factory):
+    """The factory with a CUDA ``device=`` rewritten to the CPU; one wrapper per factory, kept for good,
+    so TorchScript can keep compiling calls to it as the ATen op it stands for."""
+    if factory in _REDIRECTED:
+        return _REDIRECTED[factory]
+
+    @functools.wraps(factory)
+    def on_cpu(*args, **kwargs):
+        if "device" in kwargs and is_cuda_spelling(kwargs["device"]):
+            kwargs["device"] = CPU
+        return factory(*args, **kwargs)
+
+    register_builtin = getattr(torch.jit._builtins, "_register_builtin", None)
+    if register_builtin is not None:
+        register_builtin(on_cpu, "aten::" + factory.__name__)
+    _REDIRECTED[factory] = on_cpu
+    return on_cpu
+
+
+def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    """``Tensor.cuda()``: the tensor on the CPU (the same tensor when it is already there)."""
+    return self.to(CPU, non_blocking=non_blocking, memory_format=memory_format)
+
+
+class AcceleratorTypeName(str):
+    """A tensor type name (``'torch.FloatTensor'``) that also equals its ``'torch.cuda.'`` spelling."""
+
+    __slots__ = ()
+
+    def __eq__(self, other):
+        if isinstance(other, str) and other.startswith("torch.cuda."):
+            other = "torch." + other[len("torch.cuda."):]
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = str.__hash__
+
+
+def _wrap_tensor_type(original):
+    @functools.wraps(original)
+    def type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return AcceleratorTypeName(name) if self.device.type == "cpu" else name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type
+
+
+def patches():
+    """Torch targets use ``EXISTS``: the wrappers forward every argument, whatever torch's signature."""
+    factory_patches = [
+        wrap(f"torch:{name}", _redirect_device_keyword, expect=EXISTS,
+             name=f"cpu device literal: torch.{name}(device='cuda')")
+        for name in FACTORIES
+    ]
+    return factory_patches + [
+        replace("torch:Tensor.cuda", tensor_cuda, expect=EXISTS, name="cpu device literal: Tensor.cuda()"),
+        wrap("torch:Tensor.type", _wrap_tensor_type, expect=EXISTS, name="cpu type names: Tensor.type()"),
+    ]

@@ -1,0 +1,173 @@
+"""What each CPU shim does, checked one by one in this process (the distributed tests check them together)."""
+import argparse
+import logging
+
+import pytest
+import torch
+
+import ascendspeed.megatron_adaptor  # noqa: F401 - installs the CPU shims under test
+from ascendspeed.accelerator import cpu_megatron_lm, triton_guard
+
+
+def test_current_device_is_accepted_wherever_megatron_passes_it():
+    device = torch.cuda.current_device()
+    assert device == torch.device("cpu")
+    assert torch.empty(2, device=device).device == device
+    assert torch.ones(2).to(device).device == device
+
+
+@pytest.mark.parametrize("spelling", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 1), 0])
+@pytest.mark.parametrize("factory", ["zeros", "ones", "empty", "rand", "randn", "arange"])
+def test_cuda_spellings_in_factories_land_on_the_cpu(spelling, factory):
+    assert getattr(torch, factory)(3, device=spelling).device.type == "cpu"
+
+
+def test_tensor_and_like_factories_are_redirected_too():
+    assert torch.tensor([1.0], device="cuda").device.type == "cpu"
+    assert torch.full((2,), 1.0, device="cuda").device.type == "cpu"
+    assert torch.zeros_like(torch.ones(2), device="cuda").device.type == "cpu"
+
+
+def test_other_devices_are_left_alone():
+    assert torch.zeros(2, device="meta").device.type == "meta"
+    assert torch.zeros(2).device.type == "cpu"
+
+
+def test_dot_cuda_returns_the_cpu_tensor_unchanged():
+    tensor = torch.ones(3)
+    assert tensor.cuda() is tensor
+    assert tensor.cuda(0, non_blocking=True) is tensor
+    module = torch.nn.Linear(2, 2).cuda()
+    assert module.weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "dtype, cuda_name",
+    [(torch.float32, "torch.cuda.FloatTensor"), (torch.float16, "torch.cuda.HalfTensor"),
+     (torch.bfloat16, "torch.cuda.BFloat16Tensor")],
+)
+def test_type_names_compare_equal_to_their_cuda_spelling(dtype, cuda_name):
+    name = torch.zeros(1, dtype=dtype).type()
+    plain = cuda_name.replace("torch.cuda.", "torch.")
+    assert name == cuda_name and name == plain and not name != cuda_name
+    assert name in [cuda_name] and name in ["torch.cuda.Nothing", cuda_name]
+    assert str(name) == plain and hash(name) == hash(plain) and {plain: 1}[name] == 1
+    assert name != "torch.cuda.DoubleTensor"
+
+
+def test_type_conversion_still_converts():
+    assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+    assert torch.zeros(1).type("torch.DoubleTensor").dtype == torch.float64
+
+
+def test_runtime_calls_do_nothing_and_report_no_cuda():
+    torch.cuda.synchronize()
+    torch.cuda.set_device(0)
+    assert torch.cuda.is_available() is False
+
+
+def test_streams_and_events_are_inert_but_time():
+    stream = torch.cuda.Stream(device="cuda", priority=-1)
+    with torch.cuda.stream(stream):
+        torch.cuda.current_stream().wait_stream(stream)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.ones(100).sum()
+    end.record(torch.cuda.current_stream())
+    end.synchronize()
+    assert start.query() and start.elapsed_time(end) >= 0.0
+
+
+def test_cuda_rng_is_the_cpu_generator():
+    torch.cuda.manual_seed(7)
+    first = torch.rand(4)
+    torch.cuda.manual_seed(7)
+    assert torch.equal(torch.rand(4), first)
+    state = torch.cuda.get_rng_state()
+    drawn = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), drawn)
+
+
+def _tracker_draws(seed):
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    tracker = CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", seed)
+    with tracker.fork():
+        first = torch.rand(4)
+    with tracker.fork():
+        second = torch.rand(4)
+    return first, second
+
+
+def test_megatron_rng_tracker_forks_its_own_reproducible_stream(caplog):
+    torch.manual_seed(1)
+    expected_default = torch.rand(4)
+    torch.manual_seed(1)
+    with caplog.at_level(logging.WARNING):
+        first, second = _tracker_draws(seed=99)
+    assert torch.equal(torch.rand(4), expected_default), "the fork must restore the default stream"
+    assert not torch.equal(first, second), "a second fork continues the tracked stream"
+    again_first, again_second = _tracker_draws(seed=99)
+    assert torch.equal(first, again_first) and torch.equal(second, again_second)
+    assert not torch.equal(first, expected_default)
+    assert "CPU RNG state changed" not in caplog.text
+
+
+def test_megatron_sets_the_rng_state_at_once():
+    from megatron.core.tensor_parallel.random import _set_cuda_rng_state
+
+    state = torch.get_rng_state()
+    drawn = torch.rand(3)
+    _set_cuda_rng_state(state)
+    assert torch.equal(torch.rand(3), drawn)
+
+
+@pytest.mark.skipif(triton_guard.triton_installed(), reason="triton is installed: the guard is not needed")
+def test_module_that_only_needs_triton_imports_and_explains_on_use():
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import enable_batch_invariant_mode
+
+    with pytest.raises(ImportError, match="needs triton"):
+        enable_batch_invariant_mode()
+
+
+@pytest.mark.skipif(triton_guard.triton_installed(), reason="triton is installed: the guard is not needed")
+def test_other_missing_modules_still_fail_to_import():
+    with pytest.raises(ModuleNotFoundError):
+        import ascendspeed_no_such_module  # noqa: F401
+    with pytest.raises(ModuleNotFoundError):
+        import triton  # noqa: F401
+
+
+def _megatron_lm_args(**values):
+    args = argparse.Namespace(**{dest: value for dest, (value, _) in cpu_megatron_lm.CPU_ARGUMENT_DEFAULTS.items()})
+    for dest, value in values.items():
+        setattr(args, dest, value)
+    return args
+
+
+def test_cpu_capable_megatron_lm_arguments_pass():
+    cpu_megatron_lm.check_cpu_arguments(_megatron_lm_args())
+
+
+@pytest.mark.parametrize(
+    "dest, value, flag",
+    [("transformer_impl", "transformer_engine", "--transformer-impl local"),
+     ("distributed_backend", "nccl", "--distributed-backend gloo"),
+     ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
+     ("masked_softmax_fusion", True, "--no-masked-softmax-fusion"),
+     ("apply_rope_fusion", True, "--no-rope-fusion"),
+     ("no_persist_layer_norm", False, "--no-persist-layer-norm")],
+)
+def test_gpu_only_megatron_lm_arguments_name_the_flag_to_use(dest, value, flag):
+    with pytest.raises(cpu_megatron_lm.CpuArgumentError, match=flag):
+        cpu_megatron_lm.check_cpu_arguments(_megatron_lm_args(**{dest: value}))
+
+
+def test_torchscript_still_compiles_calls_to_redirected_factories():
+    @torch.jit.script
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, torch.zeros(2)])
+
+    assert torch.equal(padded(torch.ones(1)), torch.tensor([1.0, 0.0, 0.0]))
