@@ -28,7 +28,7 @@ setup(
     version="0.1.0",
     description="Accelerator plugin for Megatron-LM: ALiBi, fused SwiGLU, overlapped DDP gradient reduction",
     packages=find_packages(include=["ascendspeed", "ascendspeed.*"]),
-    package_data={"ascendspeed": ["training/data/*.txt.gz"]},
+    package_data={"ascendspeed": ["training/data/*.txt.gz", "training/data/README.md"]},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy"],
     extras_require={

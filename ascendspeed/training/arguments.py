@@ -1,0 +1,265 @@
+"""Command-line arguments of the pretraining entry: Megatron-LM's flag names, ascendspeed's features.
+
+The entry defines the subset of Megatron-LM's flags it implements, with the same names, destinations and
+meanings, so a Megatron-LM command line carries over. Defaults differ where Megatron-LM has none or where
+the embedded default job (a small byte-level GPT on the shipped novel) wants another value; they are
+listed by ``--help``. Every ascendspeed feature adds its flags through the feature registry, exactly as it
+does for Megatron-LM's own parser.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Optional, Sequence
+
+from ascendspeed.features import FeatureArgumentError, add_feature_arguments, all_features, validate_features
+
+
+#: Megatron-LM fusions implemented by optional libraries (apex, Transformer Engine, Megatron-LM's CUDA
+#: extensions): flag destination -> (library, the value that switches the fusion off). Megatron-LM switches
+#: them on by default and fails where the library is missing; the entry switches off those whose library
+#: is not installed, and all of them on the CPU.
+FUSION_LIBRARIES = {
+    "gradient_accumulation_fusion": ("fused_weight_gradient_mlp_cuda", False),
+    "masked_softmax_fusion": ("scaled_masked_softmax_cuda", False),
+    "apply_rope_fusion": ("transformer_engine", False),
+    "no_persist_layer_norm": ("apex", True),
+}
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, default=4)
+    group.add_argument("--hidden-size", type=int, default=128)
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="default 4 * hidden size; with --swiglu 2/3 of that, rounded down to a multiple of 64")
+    group.add_argument("--num-attention-heads", type=int, default=4)
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--kv-channels", type=int, default=None, help="default hidden size / attention heads")
+    group.add_argument("--seq-length", type=int, default=128)
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    group.add_argument("--position-embedding-type", default="learned_absolute",
+                       choices=["learned_absolute", "rope", "none"])
+    group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (LLaMA)")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--attention-dropout", type=float, default=0.0)
+    group.add_argument("--hidden-dropout", type=float, default=0.0)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--attention-softmax-in-fp32", action="store_true")
+    group.add_argument("--transformer-impl", default="local", choices=["local"],
+                       help="megatron-core's own modules (Transformer Engine is not used)")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                       help="initialise weights on the CPU (always on for the CPU device)")
+    for flag, dest in (
+        ("--no-masked-softmax-fusion", "masked_softmax_fusion"),
+        ("--no-bias-gelu-fusion", "bias_gelu_fusion"),
+        ("--no-bias-swiglu-fusion", "bias_swiglu_fusion"),
+        ("--no-bias-dropout-fusion", "bias_dropout_fusion"),
+        ("--no-rope-fusion", "apply_rope_fusion"),
+        ("--no-gradient-accumulation-fusion", "gradient_accumulation_fusion"),
+    ):
+        group.add_argument(flag, action="store_false", dest=dest)
+    group.add_argument("--no-persist-layer-norm", action="store_true")
+
+
+def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
+    group.add_argument("--ddp-bucket-size", type=int, default=None,
+                       help="elements per gradient bucket (default max(4e7, 1e6 * data-parallel size))")
+    group.add_argument("--ddp-average-in-collective", action="store_true")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    group.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
+                       help="default: nccl on CUDA, hccl on NPU; the CPU always uses gloo")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=8)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="default micro batch size * data-parallel size (one micro-batch per rank)")
+    group.add_argument("--train-iters", type=int, default=800)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--loss-scale", type=float, default=None, help="static fp16 loss scale (default dynamic)")
+    group.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    group.add_argument("--min-loss-scale", type=float, default=1.0)
+    group.add_argument("--loss-scale-window", type=float, default=1000)
+    group.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("optimizer and learning rate")
+    group.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    group.add_argument("--lr", type=float, default=5e-3)
+    group.add_argument("--min-lr", type=float, default=5e-4)
+    group.add_argument("--lr-decay-style", default="cosine",
+                       choices=["constant", "linear", "cosine", "inverse-square-root"])
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=20)
+    group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--weight-decay", type=float, default=0.1)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.95)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_data_and_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data, evaluation, logging, checkpoints")
+    group.add_argument("--data-path", nargs="+", default=None,
+                       help="text files (.txt or .txt.gz) to train on, concatenated; default: the embedded novel")
+    group.add_argument("--split", default="95,5",
+                       help="train,validation[,test] weights over the text, in that order (test is unused)")
+    group.add_argument("--log-interval", type=int, default=25)
+    group.add_argument("--eval-interval", type=int, default=100)
+    group.add_argument("--eval-iters", type=int, default=10,
+                       help="global batches per periodic validation (the final one uses the whole split)")
+    group.add_argument("--eval-seq-lengths", type=int, nargs="*", default=None,
+                       help="sequence lengths of the final validation (default: 1x, 2x and 4x --seq-length); "
+                            "lengths past the position embedding's reach are reported as skipped")
+    group.add_argument("--save", default=None, help="checkpoint directory to write")
+    group.add_argument("--load", default=None, help="checkpoint directory to resume from (if it holds one)")
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--no-load-optim", action="store_true")
+    group.add_argument("--no-load-rng", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m ascendspeed.training.pretrain_gpt",
+        description="Pretrain a GPT with megatron-core and ascendspeed's features. "
+                    "Without flags: a small byte-level GPT on the embedded public-domain novel.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    _add_model_arguments(parser)
+    _add_parallel_arguments(parser)
+    _add_training_arguments(parser)
+    _add_optimizer_arguments(parser)
+    _add_data_and_logging_arguments(parser)
+    add_feature_arguments(parser)
+    # Megatron-LM flags a feature reads but the entry does not offer keep the feature's default.
+    defined = {action.dest for action in parser._actions}
+    for feature in all_features():
+        missing = {dest: default for dest, default in feature.megatron_arguments.items() if dest not in defined}
+        parser.set_defaults(**missing)
+    return parser
+
+
+def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> argparse.Namespace:
+    """Fill derived values (as Megatron-LM's ``validate_args`` does) and reject inconsistent settings."""
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise FeatureArgumentError(message)
+
+    args.world_size = world_size
+    args.device = device
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    require(world_size % model_parallel == 0,
+            f"world size {world_size} is not divisible by tensor ({args.tensor_model_parallel_size}) x "
+            f"pipeline ({args.pipeline_model_parallel_size}) model-parallel size")
+    args.data_parallel_size = world_size // model_parallel
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    require(args.global_batch_size % per_step == 0,
+            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // per_step
+
+    require(args.num_layers % args.pipeline_model_parallel_size == 0,
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        layers_per_stage = args.num_layers // args.pipeline_model_parallel_size
+        require(args.pipeline_model_parallel_size > 1,
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        require(layers_per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
+                f"{layers_per_stage} layers per pipeline stage are not divisible by "
+                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+        virtual_stages = layers_per_stage // args.num_layers_per_virtual_pipeline_stage
+        if virtual_stages > 1:
+            args.virtual_pipeline_model_parallel_size = virtual_stages
+            require(args.num_microbatches % args.pipeline_model_parallel_size == 0,
+                    f"the interleaved pipeline schedule needs the number of micro-batches ({args.num_microbatches}) "
+                    f"to be a multiple of --pipeline-model-parallel-size; raise --global-batch-size")
+    require(args.num_attention_heads % args.tensor_model_parallel_size == 0,
+            "--num-attention-heads is not divisible by --tensor-model-parallel-size")
+    require(args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
+            "--hidden-size is not divisible by --num-attention-heads; set --kv-channels")
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+        if args.swiglu:
+            args.ffn_hidden_size = int(args.ffn_hidden_size * 2 / 3) // 64 * 64 or 64
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    require(args.position_embedding_type != "learned_absolute" or args.seq_length <= args.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+    require(not args.sequence_parallel or importlib.util.find_spec("apex") is not None,
+            "--sequence-parallel needs apex's fused LayerNorm: megatron-core's torch norms refuse it")
+
+    require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
+    require(args.train_iters > 0, "--train-iters must be positive")
+    require(args.log_interval > 0, "--log-interval must be positive")
+    require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    require(args.lr_warmup_iters < args.lr_decay_iters,
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+            f"(default --train-iters)")
+    if args.eval_seq_lengths is None:
+        args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
+    require(all(length > 0 for length in args.eval_seq_lengths), "--eval-seq-lengths must be positive")
+
+    if not args.add_bias_linear:
+        args.bias_gelu_fusion = False
+    for dest, (library, off) in FUSION_LIBRARIES.items():
+        if device == "cpu" or importlib.util.find_spec(library) is None:
+            setattr(args, dest, off)
+    if device == "cpu":
+        args.use_cpu_initialization = True
+        args.distributed_backend = "gloo"
+    elif args.distributed_backend is None:
+        args.distributed_backend = {"cuda": "nccl", "npu": "hccl"}[device]
+    return args
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+               device: Optional[str] = None) -> argparse.Namespace:
+    """Parse, derive and validate (feature checks included); usage errors exit like argparse's."""
+    from ascendspeed.accelerator import select_device
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        finalize_args(args, world_size, device or select_device())
+        validate_features(args)
+    except (FeatureArgumentError, ValueError) as error:
+        parser.error(str(error))
+    return args

@@ -1,0 +1,347 @@
+"""The training loop: megatron-core's schedules, DDP, optimizer and LR schedule on the byte-level text.
+
+``train(args)`` runs a whole job (arguments from ``arguments.parse_args``) and returns a ``TrainResult``
+on every rank, so tests and benchmarks can assert on losses without parsing output.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from ascendspeed.features import all_features, apply_features
+from ascendspeed.training import checkpointing
+from ascendspeed.training.data import (
+    DEFAULT_TEXT,
+    Batch,
+    EvalPlan,
+    TextSplits,
+    eval_microbatches,
+    eval_windows,
+    read_text,
+    train_microbatches,
+)
+from ascendspeed.training.initialize import initialize_parallel, teardown
+from ascendspeed.training.model import (
+    build_config,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    local_parameter_count,
+)
+from ascendspeed.training.progress import ProgressLog, format_duration, perplexity, print_rank_0
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Validation at one sequence length; ``skipped`` says why there is no loss."""
+
+    seq_length: int
+    loss: Optional[float] = None
+    tokens: int = 0
+    skipped: Optional[str] = None
+
+    @property
+    def perplexity(self) -> Optional[float]:
+        return None if self.loss is None else perplexity(self.loss)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did. ``losses[i]`` is the training loss of iteration ``start_iteration + i + 1``."""
+
+    start_iteration: int
+    iteration: int
+    losses: list[float]
+    learning_rates: list[float]
+    validation: list[tuple[int, float]]
+    final_validation: list[EvalResult]
+    progress: list[dict]
+    elapsed: float
+    tokens_per_second: float
+    num_parameters: int
+    features: list[str]
+    checkpoint: Optional[str] = None
+
+
+def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
+    """Average per-micro-batch losses held by the last pipeline stage (of every data-parallel replica)
+    and hand the result to every rank, rank 0 included, whichever stage it is."""
+    packed = torch.zeros(2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and values:
+        packed[0] = torch.stack([v.double() for v in values]).mean()
+        packed[1] = 1.0
+    dist.all_reduce(packed)
+    return (packed[0] / packed[1]).item()
+
+
+def _loss_func(output_tensor: torch.Tensor):
+    """Mean next-byte cross entropy of one micro-batch (every position counts: there is no padding).
+
+    The reported copy is a clone: the schedule divides the returned loss in place by the micro-batch count."""
+    loss = output_tensor.float().mean()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    batch: Batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    return output, _loss_func
+
+
+def _iterators(batches: list[Batch], model: list):
+    """One iterator per model chunk: the interleaved schedule walks each chunk through the micro-batches."""
+    if len(model) == 1:
+        return iter(batches)
+    return [iter(batches) for _ in model]
+
+
+def _wire_schedule_hooks(args: argparse.Namespace, config, model: list, optimizer) -> None:
+    """The hooks Megatron-LM's ``setup_model_and_optimizer`` installs for the pipeline schedules."""
+    def one_or_list(functions):
+        return functions[0] if len(functions) == 1 else functions
+
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        config.no_sync_func = one_or_list([chunk.no_sync for chunk in model])
+        if args.align_grad_reduce:
+            config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in model])
+
+
+class Evaluator:
+    """Validation loss on non-overlapping windows of the held-out text, spread over data-parallel ranks."""
+
+    def __init__(self, args: argparse.Namespace, model: list, tokens: torch.Tensor, device: torch.device):
+        self.args = args
+        self.model = model
+        self.tokens = tokens
+        self.device = device
+        self.forward_backward = get_forward_backward_func()
+
+    def reach(self, seq_length: int) -> Optional[str]:
+        """Why the model cannot be evaluated at ``seq_length``, or None."""
+        if (self.args.position_embedding_type == "learned_absolute"
+                and seq_length > self.args.max_position_embeddings):
+            return (f"learned_absolute position embeddings have {self.args.max_position_embeddings} "
+                    f"positions (--max-position-embeddings); they cannot extrapolate")
+        return None
+
+    def evaluate(self, seq_length: int, max_windows: Optional[int] = None) -> EvalResult:
+        reason = self.reach(seq_length)
+        if reason is not None:
+            return EvalResult(seq_length, skipped=reason)
+        windows = eval_windows(self.tokens, seq_length)[:max_windows]
+        dp_size = parallel_state.get_data_parallel_world_size()
+        interleaved = self.args.virtual_pipeline_model_parallel_size is not None
+        plan = EvalPlan.fit(len(windows), self.args.micro_batch_size, dp_size,
+                            self.args.pipeline_model_parallel_size if interleaved else 1)
+        if plan is None:
+            return EvalResult(seq_length, skipped=f"the validation text ({len(self.tokens)} tokens) holds fewer "
+                                                  f"windows of this length than this layout needs")
+        batches = list(eval_microbatches(windows, plan, parallel_state.get_data_parallel_rank(), self.device))
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                losses = self.forward_backward(
+                    forward_step_func=_forward_step,
+                    data_iterator=_iterators(batches, self.model),
+                    model=self.model,
+                    num_microbatches=plan.num_microbatches,
+                    seq_length=seq_length,
+                    micro_batch_size=plan.micro_batch_size,
+                    forward_only=True,
+                )
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
+        return EvalResult(seq_length, loss=loss, tokens=plan.windows_per_rank * dp_size * seq_length)
+
+
+class Trainer:
+    """Owns the model, optimizer and schedule of one run; ``run`` trains from the loaded iteration."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        self.args = args
+        self.device = device
+        self.splits = TextSplits.from_bytes(read_text(args.data_path), args.split)
+        self.config = build_config(args)
+        self.model = build_model(args, self.config, device)
+        self.optimizer = build_optimizer(args, self.model)
+        self.scheduler = build_scheduler(args, self.optimizer)
+        _wire_schedule_hooks(args, self.config, self.model, self.optimizer)
+        self.forward_backward = get_forward_backward_func()
+        self.evaluator = Evaluator(args, self.model, self.splits.valid, device)
+        self.iteration = 0
+        if args.load:
+            self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler)
+            if self.iteration:
+                print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
+            else:
+                print_rank_0(f"no checkpoint in {args.load}: starting from scratch")
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.args.global_batch_size * self.args.seq_length
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model, whatever its tensor and pipeline layout."""
+        total = torch.tensor([local_parameter_count(self.model)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+        return int(total.item())
+
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def train_step(self) -> tuple[float, Optional[float], bool]:
+        """One iteration: forward/backward over all micro-batches, gradient sync, optimizer step.
+        Returns (loss, grad norm, whether the update was applied)."""
+        args = self.args
+        batches = train_microbatches(
+            self.splits.train,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=args.num_microbatches,
+            data_parallel_rank=parallel_state.get_data_parallel_rank(),
+            data_parallel_size=parallel_state.get_data_parallel_world_size(),
+            seed=args.seed,
+            iteration=self.iteration,
+            device=self.device,
+        )
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self.forward_backward(
+            forward_step_func=_forward_step,
+            data_iterator=_iterators(batches, self.model),
+            model=self.model,
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        self.iteration += 1
+        loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
+        return loss, grad_norm, updated
+
+    def save(self) -> str:
+        directory = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
+                                                  self.scheduler)
+        print_rank_0(f"saved checkpoint {directory}")
+        return str(directory)
+
+    def periodic_validation(self) -> float:
+        windows = self.args.eval_iters * self.args.global_batch_size
+        result = self.evaluator.evaluate(self.args.seq_length, max_windows=windows)
+        if result.loss is None:
+            raise ValueError(f"cannot validate at --seq-length {self.args.seq_length}: {result.skipped}")
+        print_rank_0(f"validation at iteration {self.iteration} | loss {result.loss:.4f} | "
+                     f"perplexity {result.perplexity:.2f}")
+        return result.loss
+
+    def run(self, features: list[str]) -> TrainResult:
+        args = self.args
+        start = self.iteration
+        num_parameters = self.num_parameters()
+        self._print_header(num_parameters, features)
+        validation = [(start, self.periodic_validation())]
+        log = ProgressLog(args.train_iters, start, self.tokens_per_iteration)
+        losses, learning_rates, progress = [], [], []
+        checkpoint = None
+        while self.iteration < args.train_iters:
+            learning_rates.append(self.learning_rate())
+            loss, grad_norm, updated = self.train_step()
+            losses.append(loss)
+            log.record(loss, skipped=not updated)
+            done = self.iteration == args.train_iters
+            if self.iteration % args.log_interval == 0 or done:
+                loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None
+                progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale))
+            if args.eval_interval and self.iteration % args.eval_interval == 0 and not done:
+                validation.append((self.iteration, self.periodic_validation()))
+            if args.save and (done or (args.save_interval and self.iteration % args.save_interval == 0)):
+                checkpoint = self.save()
+        elapsed = time.perf_counter() - log.started
+        if self.iteration > start:
+            validation.append((self.iteration, self.periodic_validation()))
+        final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
+        self._print_summary(validation, final, elapsed)
+        trained = self.iteration - start
+        return TrainResult(
+            start_iteration=start,
+            iteration=self.iteration,
+            losses=losses,
+            learning_rates=learning_rates,
+            validation=validation,
+            final_validation=final,
+            progress=progress,
+            elapsed=elapsed,
+            tokens_per_second=trained * self.tokens_per_iteration / elapsed if trained else 0.0,
+            num_parameters=num_parameters,
+            features=features,
+            checkpoint=checkpoint,
+        )
+
+    def _print_header(self, num_parameters: int, features: list[str]) -> None:
+        args = self.args
+        data = ", ".join(args.data_path) if args.data_path else f"embedded {DEFAULT_TEXT.name}"
+        vpp = f", vpp {args.virtual_pipeline_model_parallel_size}" if args.virtual_pipeline_model_parallel_size else ""
+        print_rank_0(
+            f"ascendspeed pretrain_gpt: {args.world_size} rank(s) on {args.device} "
+            f"(tp {args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}{vpp}, "
+            f"dp {args.data_parallel_size}), backend {args.distributed_backend}\n"
+            f"  model: GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+            f"ffn {args.ffn_hidden_size}, {args.position_embedding_type} positions, "
+            f"{num_parameters / 1e6:.2f}M parameters, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
+            f"  data: {data}: {len(self.splits.train):,} training / {len(self.splits.valid):,} validation "
+            f"bytes (byte-level tokens)\n"
+            f"  batch: {args.global_batch_size} sequences of {args.seq_length} = "
+            f"{self.tokens_per_iteration:,} tokens per iteration ({args.num_microbatches} micro-batch(es) of "
+            f"{args.micro_batch_size} per data-parallel rank), {args.train_iters} iterations\n"
+            f"  ascendspeed features: {', '.join(features) if features else 'none enabled'}"
+            f" (available: {', '.join(f.name for f in all_features()) or 'none'})"
+        )
+
+    def _print_summary(self, validation: list, final: list[EvalResult], elapsed: float) -> None:
+        (first_iteration, first), (last_iteration, last) = validation[0], validation[-1]
+        lines = [
+            f"validation loss {first:.4f} -> {last:.4f} (perplexity {perplexity(first):.2f} -> "
+            f"{perplexity(last):.2f}) from iteration {first_iteration} to {last_iteration}, "
+            f"training took {format_duration(elapsed)}",
+            f"final validation on the whole held-out text ({len(self.splits.valid):,} tokens):",
+            f"  {'length':>7}  {'loss':>8}  {'perplexity':>10}",
+        ]
+        for result in final:
+            if result.loss is None:
+                lines.append(f"  {result.seq_length:>7}  skipped: {result.skipped}")
+            elif math.isfinite(result.loss):
+                lines.append(f"  {result.seq_length:>7}  {result.loss:>8.4f}  {result.perplexity:>10.2f}")
+            else:
+                lines.append(f"  {result.seq_length:>7}  {result.loss:>8}  {'inf':>10}")
+        print_rank_0("\n".join(lines))
+
+
+def train(args: argparse.Namespace) -> TrainResult:
+    """Run the job ``args`` describes: device shims, features, process groups, training, teardown."""
+    from ascendspeed.adaptor import install
+
+    install()
+    features = apply_features(args)
+    state = initialize_parallel(args)
+    try:
+        return Trainer(args, state.device).run(features)
+    finally:
+        teardown(state)

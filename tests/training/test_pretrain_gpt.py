@@ -1,0 +1,96 @@
+"""The pretraining entry end to end on 2 CPU processes: real megatron-core, real gloo, no mocks."""
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distributed_utils import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: A model small enough for a few seconds of training on two CPU cores.
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--micro-batch-size", "4", "--lr", "5e-3", "--min-lr", "5e-4", "--lr-warmup-iters", "3",
+    "--eval-iters", "2",
+]
+
+PROGRESS = re.compile(
+    r"^iteration +(\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| grad norm \S+ \| ([\d,]+) tokens/s \| "
+    r"elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$",
+    re.MULTILINE,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_two_processes_train_and_report():
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        "-m", "ascendspeed.training.pretrain_gpt", *TINY,
+        "--train-iters", "30", "--log-interval", "10", "--eval-interval", "15", "--eval-seq-lengths", "64", "128",
+    ]
+    env = dict(os.environ, ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+
+    lines = PROGRESS.findall(out)
+    assert [int(line[0]) for line in lines] == [10, 20, 30], out
+    assert all(int(line[1]) == 30 for line in lines)
+    losses = [float(line[2]) for line in lines]
+    assert losses[-1] < losses[0] < math.log(256)
+    assert out.count("iteration 10/30") == 1, "progress is printed by rank 0 only"
+
+    validation = [float(v) for v in re.findall(r"^validation at iteration \d+ \| loss (\d+\.\d+)", out, re.M)]
+    assert len(validation) == 3
+    assert validation[0] == pytest.approx(math.log(256), abs=0.3)
+    assert validation[-1] < validation[0] - 1.5
+    assert re.search(r"^ +64 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
+    assert re.search(r"^ +128 +skipped: learned_absolute position embeddings have 64 positions", out, re.M), out
+
+
+def _checkpoint_worker(rank, world_size, directory, extra):
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    def run(*flags):
+        args = parse_args([*TINY, *extra, "--log-interval", "100", "--eval-interval", "0",
+                           "--eval-seq-lengths", "64", *flags], world_size=world_size)
+        return train(args)
+
+    straight = run("--train-iters", "8")
+    half = run("--train-iters", "4", "--lr-decay-iters", "8", "--save", directory)
+    resumed = run("--train-iters", "8", "--load", directory)
+    return {
+        "straight": straight.losses,
+        "straight_lr": straight.learning_rates,
+        "half": half.losses,
+        "resumed": resumed.losses,
+        "resumed_lr": resumed.learning_rates,
+        "resumed_start": resumed.start_iteration,
+        "checkpoint": half.checkpoint,
+    }
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"]], ids=["fp32", "distopt-bf16"])
+def test_resuming_from_a_checkpoint_continues_the_loss_curve(tmp_path, extra):
+    results = run_distributed(_checkpoint_worker, 2, str(tmp_path), extra, timeout=240)
+    result = results[0]
+    assert result["resumed_start"] == 4
+    assert Path(result["checkpoint"]).name == "iter_0000004"
+    assert sorted(p.name for p in Path(result["checkpoint"]).iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert result["half"] == result["straight"][:4]
+    assert result["resumed"] == pytest.approx(result["straight"][4:], rel=1e-6, abs=1e-6)
+    assert result["resumed_lr"] == pytest.approx(result["straight_lr"][4:])
+    assert results[1]["resumed"] == result["resumed"]

@@ -1,0 +1,102 @@
+"""The pretraining entry's command line: Megatron-LM's flag names, derived values, feature flags."""
+import importlib.util
+
+import pytest
+
+from ascendspeed.features import all_features
+from ascendspeed.training.arguments import build_parser, parse_args
+
+MEGATRON_COMMAND = """
+--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 64
+--max-position-embeddings 128 --micro-batch-size 2 --global-batch-size 8 --tensor-model-parallel-size 1
+--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --bf16 --swiglu
+--normalization RMSNorm --position-embedding-type rope --overlap-grad-reduce --use-distributed-optimizer
+--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
+--train-iters 10 --log-interval 1 --eval-interval 5 --eval-iters 1 --seed 42 --save /tmp/ckpt --load /tmp/ckpt
+--save-interval 5 --data-path corpus.txt --untie-embeddings-and-output-weights --disable-bias-linear
+--attention-dropout 0.0 --hidden-dropout 0.0 --transformer-impl local --no-gradient-accumulation-fusion
+--no-persist-layer-norm --no-rope-fusion --no-masked-softmax-fusion --distributed-backend gloo
+--split 969,30,1
+""".split()
+
+
+def test_a_megatron_lm_command_line_parses():
+    args = parse_args(MEGATRON_COMMAND, world_size=2, device="cpu")
+    assert args.data_parallel_size == 1
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_microbatches == 4
+    one_virtual_stage = MEGATRON_COMMAND + ["--num-layers-per-virtual-pipeline-stage", "2"]
+    assert parse_args(one_virtual_stage, world_size=2, device="cpu").virtual_pipeline_model_parallel_size is None
+    assert args.add_bias_linear is False
+    assert args.bf16 and args.swiglu and args.untie_embeddings_and_output_weights
+    assert args.data_path == ["corpus.txt"]
+
+
+def test_defaults_are_the_embedded_job():
+    args = parse_args([], world_size=2, device="cpu")
+    assert args.data_path is None
+    assert args.data_parallel_size == 2
+    assert args.global_batch_size == args.micro_batch_size * 2
+    assert args.num_microbatches == 1
+    assert args.max_position_embeddings == args.seq_length
+    assert args.ffn_hidden_size == 4 * args.hidden_size
+    assert args.kv_channels == args.hidden_size // args.num_attention_heads
+    assert args.eval_seq_lengths == [args.seq_length, 2 * args.seq_length, 4 * args.seq_length]
+    assert args.lr_decay_iters == args.train_iters
+
+
+def test_cpu_turns_off_cuda_only_fusions_and_uses_gloo():
+    args = parse_args([], world_size=1, device="cpu")
+    assert args.use_cpu_initialization
+    assert args.distributed_backend == "gloo"
+    assert not (args.gradient_accumulation_fusion or args.masked_softmax_fusion or args.apply_rope_fusion)
+    assert args.no_persist_layer_norm
+
+
+@pytest.mark.skipif(importlib.util.find_spec("apex") is not None, reason="apex provides a sequence-parallel norm")
+def test_sequence_parallel_without_apex_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2, device="cpu")
+    assert "apex" in capsys.readouterr().err
+
+
+def test_swiglu_sizes_the_mlp_like_megatron():
+    args = parse_args(["--swiglu", "--hidden-size", "256"], world_size=1, device="cpu")
+    assert args.ffn_hidden_size == 640
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
+    (["--lr-warmup-iters", "50", "--train-iters", "50"], "--lr-warmup-iters"),
+    (["--fp16", "--bf16"], "exclusive"),
+    (["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings"),
+    (["--tensor-model-parallel-size", "3"], "world size 2"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "micro-batches"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--pipeline-model-parallel-size > 1"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+])
+def test_inconsistent_flags_are_usage_errors(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(flags, world_size=2, device="cpu")
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_every_feature_flag_and_megatron_argument_is_available():
+    """Whatever the registry holds: its flags parse, and the Megatron flags features read have values."""
+    parser = build_parser()
+    args = parser.parse_args([])
+    for feature in all_features():
+        for dest in feature.megatron_arguments:
+            assert hasattr(args, dest), f"{feature.name} reads {dest}, which the entry does not provide"
+    defined = {action.dest for action in parser._actions}
+    for feature in all_features():
+        probe = build_parser().__class__()
+        feature.add_arguments(probe)
+        assert {a.dest for a in probe._actions} - {"help"} <= defined
+
+
+def test_position_embedding_choices_start_with_megatrons():
+    action = build_parser()._option_string_actions["--position-embedding-type"]
+    assert action.choices[:3] == ["learned_absolute", "rope", "none"]

@@ -1,0 +1,73 @@
+"""The entry's parallel layouts train the same model: TP=2 and PP=2 with virtual stages match DP=2.
+
+Each layout starts from the reference's initial weights (sliced and distributed as the layout needs),
+sees the same global batches, and must produce the same training and validation losses.
+"""
+import pytest
+
+from distributed_utils import run_distributed
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--lr-warmup-iters", "1", "--train-iters", "10",
+]
+
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "pp2-vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
+}
+
+
+def _tied_name(name: str) -> str:
+    """A pipelined last stage holds its own copy of the tied output weight: the word embedding."""
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+
+
+def _run(args, full=None, steps=3):
+    import torch
+    import megatron_utils as mu
+    from ascendspeed.features import apply_features
+    from ascendspeed.training.initialize import initialize_parallel, teardown
+    from ascendspeed.training.trainer import Trainer
+
+    apply_features(args)
+    state = initialize_parallel(args)
+    try:
+        trainer = Trainer(args, state.device)
+        if full is None:
+            full = {name: param.detach().clone() for name, param in mu.named_parameters_full(trainer.model)}
+        else:
+            config = trainer.config
+            with torch.no_grad():
+                for name, param in mu.named_parameters_full(trainer.model):
+                    param.copy_(mu.shard_like(full[_tied_name(name)], param, name, config))
+        losses = [trainer.train_step()[0] for _ in range(steps)]
+        validation = [trainer.evaluator.evaluate(length).loss for length in (32, 64)]
+        return full, losses, validation + [trainer.num_parameters()]
+    finally:
+        teardown(state)
+
+
+def _layouts_worker(rank, world_size, names):
+    from ascendspeed.training.arguments import parse_args
+
+    full, losses, validation = _run(parse_args(BASE, world_size=world_size))
+    results = {"reference": (losses, validation)}
+    for name in names:
+        _, losses, validation = _run(parse_args(BASE + LAYOUTS[name], world_size=world_size), full)
+        results[name] = (losses, validation)
+    return results
+
+
+@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"]], ids="+".join)
+def test_layouts_match_the_data_parallel_reference(names):
+    results = run_distributed(_layouts_worker, 2, names, timeout=240)
+    reference_losses, reference_validation = results[0]["reference"]
+    assert reference_losses[-1] < reference_losses[0]
+    for name in names:
+        for rank_result in results:
+            losses, validation = rank_result[name]
+            assert losses == pytest.approx(reference_losses, rel=2e-5), name
+            assert validation == pytest.approx(reference_validation, rel=2e-5), name  # and parameter count
