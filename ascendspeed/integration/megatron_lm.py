@@ -5,7 +5,10 @@
 * ``validate_args`` is wrapped so that, after Megatron's own checks, ascendspeed validates and applies
   the features the arguments select, before any model is built;
 * ``core_transformer_config_from_args`` is wrapped so enabled features carry their settings into the
-  ``TransformerConfig``.
+  ``TransformerConfig``;
+* ``megatron.core.datasets.utils.compile_helpers`` (called by ``initialize_megatron``) builds the dataset
+  helpers without ``make`` only when they are missing or stale (``dataset_helpers.py``): the megatron-core
+  wheel ships them but no Makefile.
 
 Megatron-LM looks these functions up by module attribute at call time (``parse_args`` calls
 ``add_megatron_arguments``), and copies bound by ``from ... import`` are swept by the patch manager.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+from ascendspeed.integration import dataset_helpers
 from ascendspeed.patching import PatchManager, wrap
 
 FEATURE_NAME = "megatron_lm"
@@ -42,7 +46,10 @@ def _wrap_validate_args(original):
         for set_defaults in ARGUMENT_DEFAULTERS:
             set_defaults(args)
         result = original(args, defaults)
-        apply_features(args)
+        enabled = apply_features(args)
+        if getattr(args, "rank", 0) == 0:
+            # One line in the training log saying which features this run really has switched on.
+            print(f"> ascendspeed features: {', '.join(enabled) or 'none'}", flush=True)
         return result
 
     return validate_args
@@ -65,6 +72,7 @@ def patches():
         wrap(f"{ARGUMENTS_MODULE}:validate_args", _wrap_validate_args, expect="(args, defaults={})"),
         wrap(f"{ARGUMENTS_MODULE}:core_transformer_config_from_args", _wrap_core_transformer_config_from_args,
              expect="(args, config_class=None)"),
+        *dataset_helpers.patches(),
     ]
 
 

@@ -1,0 +1,190 @@
+"""ascendspeed's features inside Megatron-LM's own ``pretrain_gpt.py`` on the CPU, end to end.
+
+Needs a Megatron-LM checkout at tag core_v0.16.1 named by ``MEGATRON_LM_PATH`` (skipped otherwise) and its
+training packages in the environment (docs/megatron-lm-on-cpu.md). Runs follow that document's recipe with
+the installed megatron-core wheel: the launcher imports ``ascendspeed.megatron_adaptor`` and appends the
+checkout to ``sys.path`` (after site-packages), so ``megatron.training`` comes from the checkout and
+``megatron.core`` from the wheel, whose dataset helpers Megatron-LM would otherwise try to ``make``.
+
+A run passes when it trains (the loss falls), its log has the adaptor's ``> ascendspeed features: ...`` line,
+and the feature's own code ran: the launcher counts calls of functions only the feature's patches reach.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run these"
+)
+
+#: Functions only an enabled feature reaches, counted by the launcher (``COUNT_CALLS``).
+SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
+ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
+ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.hooks:register_grad_ready"
+
+LAUNCHER = '''\
+import ascendspeed.megatron_adaptor  # first: device selection, CPU shims, Megatron-LM hooks
+import collections
+import functools
+import importlib
+import os
+import runpy
+import sys
+
+CALLS = collections.Counter()
+
+
+def count(target):
+    module_name, name = target.split(":")
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        CALLS[target] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)  # before Megatron-LM parses its flags, so features bind the counter
+
+
+for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
+    count(target)
+sys.path.append(os.environ["MEGATRON_LM_PATH"])
+sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
+    print(f"calls rank={os.environ.get('RANK', '0')} {target} {CALLS[target]}", flush=True)
+'''
+ITERATIONS = 12
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--train-iters", str(ITERATIONS), "--lr", "2e-3", "--lr-decay-style", "constant",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+)")
+CALLS = re.compile(r"^calls rank=(\d+) (\S+) (\d+)$", re.MULTILINE)
+FEATURES = re.compile(r"^> ascendspeed features: (.*)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    path = tmp_path_factory.mktemp("megatron_lm_features") / "pretrain_gpt_cpu.py"
+    path.write_text(LAUNCHER)
+    return str(path)
+
+
+def _launch(launcher, processes, flags, count=(), timeout=300):
+    environment = {
+        **os.environ,
+        "ASCENDSPEED_DEVICE": "cpu",
+        "MEGATRON_LM_PATH": MEGATRON_LM_PATH,
+        "OMP_NUM_THREADS": "1",
+        "COUNT_CALLS": ",".join(count),
+    }
+    environment.pop("MAKEFLAGS", None)  # nothing to make: the wheel ships the helpers
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+               launcher, *TINY_GPT, *flags]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(launcher))
+    return done.returncode, done.stdout + done.stderr
+
+
+def _train(launcher, processes, flags, feature, count):
+    """Run, then check the loss falls, the adaptor reports ``feature``, and every counted function ran on
+    every rank; returns the losses and the call counts ({(rank, target): calls})."""
+    returncode, output = _launch(launcher, processes, flags, count)
+    assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
+    assert FEATURES.findall(output) == [feature], f"adaptor report: {FEATURES.findall(output)}\n{output[-3000:]}"
+    losses = {int(step): float(loss) for step, loss in LOSS.findall(output)}
+    assert sorted(losses) == list(range(1, ITERATIONS + 1)), f"a loss per iteration expected: {losses}"
+    losses = [losses[step] for step in sorted(losses)]
+    assert all(loss == loss for loss in losses), f"NaN loss: {losses}"
+    assert sum(losses[-3:]) / 3 < 0.95 * sum(losses[:3]) / 3, f"loss did not fall: {losses}"
+    calls = {(int(rank), target): int(n) for rank, target, n in CALLS.findall(output)}
+    assert set(calls) == {(rank, target) for rank in range(processes) for target in count}, calls
+    return losses, calls
+
+
+def test_fused_swiglu_one_process(launcher):
+    _, calls = _train(launcher, 1, ["--global-batch-size", "4", "--swiglu", "--use-fused-swiglu"],
+                      "fused_swiglu", [SWIGLU_OP])
+    # one forward per layer and micro-batch (2 per step); backward is the operator's own kernel
+    assert calls[0, SWIGLU_OP] == 2 * 2 * ITERATIONS, calls
+
+
+def test_fused_swiglu_two_processes_tensor_parallel(launcher):
+    """Unfused gated path (no bias-SwiGLU fusion), each rank's half of the gate and up projections."""
+    flags = ["--global-batch-size", "4", "--swiglu", "--use-fused-swiglu", "--no-bias-swiglu-fusion",
+             "--tensor-model-parallel-size", "2"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu", [SWIGLU_OP])
+    assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls
+
+
+def test_alibi_one_process(launcher):
+    _, calls = _train(launcher, 1, ["--global-batch-size", "4", "--position-embedding-type", "alibi"],
+                      "alibi", [ALIBI_OP])
+    assert calls[0, ALIBI_OP] >= 2 * 2 * ITERATIONS, calls
+
+
+def test_alibi_two_processes_tensor_parallel(launcher):
+    """Each tensor-parallel rank biases its own two heads."""
+    flags = ["--global-batch-size", "4", "--position-embedding-type", "alibi", "--tensor-model-parallel-size", "2"]
+    _, calls = _train(launcher, 2, flags, "alibi", [ALIBI_OP])
+    assert all(n >= 2 * 2 * ITERATIONS for n in calls.values()), calls
+
+
+def test_async_ddp_two_processes_distributed_optimizer(launcher):
+    """Small buckets, so several collectives are launched from the gradient hooks during backward."""
+    flags = ["--global-batch-size", "8", "--overlap-grad-reduce", "--use-distributed-optimizer",
+             "--ddp-bucket-size", "20000"]
+    _, calls = _train(launcher, 2, flags, "async_ddp", [ASYNC_DDP_HOOK])
+    assert all(n > 0 for n in calls.values()), calls
+
+
+def test_invalid_combination_fails_before_training(launcher):
+    returncode, output = _launch(launcher, 1, ["--global-batch-size", "4", "--use-fused-swiglu"])
+    assert returncode != 0
+    assert "FeatureArgumentError: --use-fused-swiglu needs --swiglu" in output, output[-3000:]
+    assert "> compiling dataset index builder" not in output and "lm loss" not in output
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_arguments():
+    import ascendspeed.megatron_adaptor  # noqa: F401
+
+    if MEGATRON_LM_PATH not in sys.path:
+        sys.path.append(MEGATRON_LM_PATH)
+    from megatron.training import arguments
+
+    return arguments
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-fused-swiglu"], "--use-fused-swiglu needs --swiglu"),
+    (["--swiglu", "--use-fused-swiglu", "--glu-linear-offset", "0.5"],
+     "--use-fused-swiglu cannot run with --glu-linear-offset 0.5"),
+    (["--alibi-fused-attention"], "--alibi-fused-attention needs --position-embedding-type alibi"),
+    (["--position-embedding-type", "alibi", "--alibi-fused-attention", "--reset-attention-mask"],
+     "--position-embedding-type alibi --alibi-fused-attention cannot run with --reset-attention-mask"),
+    (["--overlap-grad-reduce", "--ddp-bucket-size", "0"], "--ddp-bucket-size must be positive"),
+])
+def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
+    """Megatron-LM's own parse_args + validate_args, in process: the error names the flags."""
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "4", *flags])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match=re.escape(message)):
+        megatron_lm_arguments.validate_args(args, {})
+
+
+def test_alibi_is_a_choice_of_megatron_lm_flag(megatron_lm_arguments):
+    parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    assert parser.parse_args(["--position-embedding-type", "alibi"]).position_embedding_type == "alibi"
