@@ -40,7 +40,9 @@ setup(
         CppExtension(
             name="ascendspeed._C",
             sources=SOURCES,
-            extra_compile_args=["-O3", "-std=c++17"],
+            # at::parallel_for is inlined into the extension: without -fopenmp it runs single-threaded.
+            extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

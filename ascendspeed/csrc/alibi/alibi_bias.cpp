@@ -12,12 +12,15 @@
 // score before the one rounding back to the score dtype.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 
 namespace ascendspeed {
 namespace {

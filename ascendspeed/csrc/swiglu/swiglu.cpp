@@ -1,0 +1,237 @@
+// SwiGLU as torch operators: ascendspeed::swiglu(x, dim) = silu(a) * b where x = [a | b] is split in
+// halves along dim (the gate a first, as Megatron's torch.chunk), and its backward
+// ascendspeed::swiglu_backward(grad_y, x, dim) = grad_x, which needs only x: nothing else is saved.
+//
+// This file owns the schemas, the argument checks, the memory layout and the choice of CPU kernel;
+// the kernels are in swiglu_kernels_impl.h. Autograd, fake (meta) and non-CPU kernels are
+// registered from Python by ascendspeed/ops/swiglu.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "swiglu_kernels.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+namespace ascendspeed::swiglu {
+namespace {
+
+// The wrapped split dimension. Every rejection names the argument at fault; ascendspeed/ops/swiglu.py
+// (_check) raises the same errors for the Python-registered kernels.
+int64_t checked_dim(const at::Tensor& x, int64_t dim) {
+  TORCH_CHECK_VALUE(x.dim() > 0, "swiglu: x must have at least one dimension, got a 0-d tensor");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(
+      dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
+      "swiglu: x must be float32, bfloat16, float16 or float64, got ",
+      dtype);
+  TORCH_CHECK_INDEX(
+      dim >= -x.dim() && dim < x.dim(),
+      "swiglu: dim=",
+      dim,
+      " is out of range for x with ",
+      x.dim(),
+      " dimension(s) (expected ",
+      -x.dim(),
+      " <= dim <= ",
+      x.dim() - 1,
+      ")");
+  const int64_t d = dim < 0 ? dim + x.dim() : dim;
+  TORCH_CHECK_VALUE(
+      x.size(d) % 2 == 0,
+      "swiglu: x.size(dim) must be even to split x into gate and value halves, got x.size(",
+      dim,
+      ") = ",
+      x.size(d));
+  return d;
+}
+
+// The dimensions of x from outermost to innermost in memory, when x is dense in that order; else
+// nullopt. A dense input in any order (transposed, channels-last) is then processed where it lies,
+// and its output and gradient are laid out in the same order. The rule is mirrored by
+// _memory_order in ascendspeed/ops/swiglu.py so torch.compile sees the same strides.
+std::optional<std::vector<int64_t>> memory_order(const at::Tensor& x) {
+  std::vector<int64_t> order(x.dim());
+  std::iota(order.begin(), order.end(), 0);
+  if (x.is_contiguous()) {
+    return order;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
+    return x.stride(i) > x.stride(j);
+  });
+  if (x.permute(order).is_contiguous()) {
+    return order;
+  }
+  return std::nullopt;
+}
+
+// Strides of a tensor of `sizes` that is dense in `order` (outermost first).
+std::vector<int64_t> dense_strides(at::IntArrayRef sizes, const std::vector<int64_t>& order) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    strides[*it] = stride;
+    stride *= std::max<int64_t>(sizes[*it], 1);
+  }
+  return strides;
+}
+
+// How one call sees its input: x (a contiguous copy when the input is not dense), the memory
+// order of x, and x as `rows` rows of [a | b] with halves of `len` contiguous elements.
+struct Plan {
+  at::Tensor x;
+  std::vector<int64_t> order;
+  int64_t rows = 1;
+  int64_t len = 1;
+  std::vector<int64_t> y_sizes;
+};
+
+Plan make_plan(const at::Tensor& input, int64_t dim) {
+  const int64_t d = checked_dim(input, dim);
+  Plan plan;
+  if (auto order = memory_order(input)) {
+    plan.x = input;
+    plan.order = std::move(*order);
+  } else {
+    plan.x = input.contiguous();
+    plan.order.resize(input.dim());
+    std::iota(plan.order.begin(), plan.order.end(), 0);
+  }
+  const auto sizes = plan.x.sizes();
+  const auto split = std::find(plan.order.begin(), plan.order.end(), d);
+  for (auto it = plan.order.begin(); it != split; ++it) {
+    plan.rows *= sizes[*it];
+  }
+  plan.len = sizes[d] / 2;
+  for (auto it = split + 1; it != plan.order.end(); ++it) {
+    plan.len *= sizes[*it];
+  }
+  plan.y_sizes = sizes.vec();
+  plan.y_sizes[d] /= 2;
+  return plan;
+}
+
+// A fresh output of many megabytes is first touched by the kernel, and on Linux each of its 4 KiB
+// pages then faults on its own: for a 180 MB output that costs more than computing it. Huge pages cut
+// the faults 512-fold, as torch's THP_MEM_ALLOC_ENABLE=1 does for all its allocations; here only the
+// 2 MiB-aligned interior of our own large outputs is advised, before anything touches it. Buffers of
+// 32 MiB and more are private mappings of their own in glibc (its mmap threshold never exceeds that),
+// so the advice never reaches pages of the shared heap. It is advice: errors are ignored.
+at::Tensor empty_output(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
+  auto output = at::empty_strided(sizes, strides, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
+  constexpr size_t kMinBytes = size_t{32} << 20;
+  const size_t bytes = output.storage().nbytes();
+  if (bytes >= kMinBytes) {
+    const auto begin = reinterpret_cast<uintptr_t>(output.storage().data());
+    const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+    const uintptr_t last = (begin + bytes) & ~(kHugePage - 1);
+    if (first < last) {
+      madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+    }
+  }
+#endif
+  return output;
+}
+
+// The widest kernels torch itself uses on this CPU (ATEN_CPU_CAPABILITY lowers it, as for torch).
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels* chosen = [] {
+    const std::string isa = at::get_cpu_capability();
+    const CpuKernels* kernels = nullptr;
+    if (isa == "AVX512") {
+      kernels = cpu_kernels_avx512();
+    }
+    if (kernels == nullptr && (isa == "AVX512" || isa == "AVX2")) {
+      kernels = cpu_kernels_avx2();
+    }
+    return kernels != nullptr ? kernels : cpu_kernels_default();
+  }();
+  return *chosen;
+}
+
+at::Tensor swiglu_cpu(const at::Tensor& input, int64_t dim) {
+  const Plan plan = make_plan(input, dim);
+  auto y = empty_output(plan.y_sizes, dense_strides(plan.y_sizes, plan.order), plan.x.options());
+  if (y.numel() > 0) {
+    cpu_kernels().forward(plan.x, y, plan.rows, plan.len);
+  }
+  return y;
+}
+
+at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& input, int64_t dim) {
+  const Plan plan = make_plan(input, dim);
+  TORCH_CHECK_VALUE(
+      grad_y.sizes() == at::IntArrayRef(plan.y_sizes),
+      "swiglu_backward: grad_y must have the shape of swiglu(x, dim) ",
+      at::IntArrayRef(plan.y_sizes),
+      ", got ",
+      grad_y.sizes());
+  TORCH_CHECK_TYPE(
+      grad_y.scalar_type() == input.scalar_type(),
+      "swiglu_backward: grad_y must have the dtype of x (",
+      input.scalar_type(),
+      "), got ",
+      grad_y.scalar_type());
+  TORCH_CHECK(
+      grad_y.device() == input.device(),
+      "swiglu_backward: grad_y must be on the device of x (",
+      input.device(),
+      "), got ",
+      grad_y.device());
+  const auto y_strides = dense_strides(plan.y_sizes, plan.order);
+  at::Tensor g = grad_y;
+  if (!grad_y.permute(plan.order).is_contiguous()) {
+    g = at::empty_strided(plan.y_sizes, y_strides, grad_y.options());
+    g.copy_(grad_y);
+  }
+  auto grad_x =
+      empty_output(plan.x.sizes(), dense_strides(plan.x.sizes(), plan.order), plan.x.options());
+  if (grad_x.numel() > 0) {
+    cpu_kernels().backward(g, plan.x, grad_x, plan.rows, plan.len);
+  }
+  return grad_x;
+}
+
+// at::parallel_for is inline: with torch's OpenMP backend it runs on one thread unless this extension
+// itself is compiled with -fopenmp.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#warning "ascendspeed._C is built without -fopenmp: at::parallel_for runs the SwiGLU kernels on one thread"
+constexpr bool kMultiThreaded = false;
+#else
+constexpr bool kMultiThreaded = true;
+#endif
+
+// "AVX512, multi-threaded": the kernels in use, for tests and benchmarks.
+std::string cpu_kernel() {
+  return std::string(cpu_kernels().isa) +
+      (kMultiThreaded ? ", multi-threaded" : ", single-threaded (built without -fopenmp)");
+}
+
+} // namespace
+} // namespace ascendspeed::swiglu
+
+TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
+  m.set_python_module("ascendspeed.ops.swiglu");
+  m.def("swiglu(Tensor x, int dim=-1) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def(
+      "swiglu_backward(Tensor grad_y, Tensor x, int dim=-1) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def("_swiglu_cpu_kernel() -> str", &ascendspeed::swiglu::cpu_kernel);
+}
+
+TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {
+  m.impl("swiglu", &ascendspeed::swiglu::swiglu_cpu);
+  m.impl("swiglu_backward", &ascendspeed::swiglu::swiglu_backward_cpu);
+}

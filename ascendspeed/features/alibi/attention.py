@@ -1,0 +1,190 @@
+"""ALiBi inside megatron-core's attention: what the feature's patches install.
+
+The settings travel on the model's ``TransformerConfig`` as ``config.alibi`` (an ``AlibiSettings``), put
+there by ``configure_transformer_config`` or by ``GPTModel(position_embedding_type="alibi")``. Each
+self-attention ``DotProductAttention`` built from such a config holds an ``AlibiLayer`` (``.alibi``):
+
+* local path: Megatron's own forward runs unchanged; its ``FusedScaleMaskSoftmax`` receives the scaled
+  ``baddbmm`` scores and first adds the bias in place (``ascendspeed::alibi_bias_``);
+* fused path (``AlibiSettings(fused=True)``): the forward is ``ascendspeed.ops.alibi_attention``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+from typing import Optional
+
+import torch
+
+from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
+
+
+@dataclasses.dataclass(frozen=True)
+class AlibiSettings:
+    """How a model applies ALiBi. ``fused``: the fused attention kernel instead of Megatron's local path."""
+
+    fused: bool = False
+
+
+@dataclasses.dataclass
+class AlibiLayer:
+    """The ALiBi of one attention layer: which heads it owns and which form of the bias it adds.
+
+    ``slopes`` is None for the paper's slopes of this rank's heads (cached per heads, rank and device);
+    assign a float32 tensor of ``heads / tp`` slopes to use others.
+    """
+
+    num_heads: int
+    tp_rank: int
+    tp_size: int
+    causal: bool
+    fused: bool
+    slopes: Optional[torch.Tensor] = None
+
+    def slopes_on(self, device: torch.device) -> torch.Tensor:
+        if self.slopes is not None:
+            return self.slopes
+        return local_alibi_slopes(self.num_heads, self.tp_rank, self.tp_size, device)
+
+    def add_bias_(self, scores: torch.Tensor) -> None:
+        """Add the bias to Megatron's scaled [b, heads, sq, sk] scores; queries end where the keys end."""
+        alibi_bias_(scores, self.slopes_on(scores.device), symmetric=not self.causal)
+
+
+def _causal(attn_mask_type) -> bool:
+    return "causal" in attn_mask_type.name
+
+
+def wrap_attention_init(original):
+    """Give each self-attention built from an ALiBi config its ``AlibiLayer``; refuse what it cannot do."""
+
+    @functools.wraps(original)
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
+        original(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs)
+        settings: Optional[AlibiSettings] = getattr(config, "alibi", None)
+        if settings is None:
+            return
+        if attention_type != "self":
+            raise ValueError(
+                f"ALiBi biases self-attention by token distance; {attention_type} attention (layer "
+                f"{layer_number}) relates two different sequences and is not supported"
+            )
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("ALiBi does not support apply_query_key_layer_scaling (it would scale the bias)")
+        if settings.fused and (self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None):
+            raise ValueError("fused ALiBi attention supports neither window_size nor softmax_type other than vanilla")
+        self.alibi = AlibiLayer(
+            num_heads=config.num_attention_heads,
+            tp_rank=self.pg_collection.tp.rank(),
+            tp_size=self.pg_collection.tp.size(),
+            causal=_causal(attn_mask_type),
+            fused=settings.fused,
+        )
+        self.scale_mask_softmax.alibi = self.alibi
+
+    return __init__
+
+
+def wrap_softmax_forward(original):
+    """The local path: the bias goes onto the scaled scores right before Megatron masks and normalises."""
+
+    @functools.wraps(original)
+    def forward(self, input, mask, softmax_offset=None):
+        alibi = self.__dict__.get("alibi")
+        if alibi is not None:
+            alibi.add_bias_(input)
+        return original(self, input, mask, softmax_offset)
+
+    return forward
+
+
+def wrap_attention_forward(original):
+    """The fused path replaces the score buffer, softmax and dropout of layers with ``alibi.fused``."""
+
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        alibi = self.__dict__.get("alibi")
+        if alibi is None or not alibi.fused:
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                            packed_seq_params)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("fused ALiBi attention supports neither packed sequences nor an attention_bias")
+        return _fused_forward(self, alibi, query, key, value, attention_mask)
+
+    return forward
+
+
+def _fused_forward(self, alibi: AlibiLayer, query, key, value, attention_mask):
+    """[sq, b, heads, d] in, [sq, b, heads * d] out, like Megatron's DotProductAttention.
+
+    Causal layers ignore ``attention_mask`` and use the kernel's causal mask, as Megatron's fused
+    backends do for the causal mask type (validation refuses --reset-attention-mask with this path).
+    """
+    from megatron.core import tensor_parallel
+
+    sq, batch = query.shape[:2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dropout_p = self.attention_dropout.p if self.training else 0.0
+    rng = contextlib.nullcontext()
+    if dropout_p > 0 and not self.config.sequence_parallel:
+        rng = tensor_parallel.get_cuda_rng_tracker().fork()
+    with rng:
+        context = alibi_attention(
+            q, k, v, alibi.slopes_on(q.device),
+            causal=alibi.causal,
+            masked_out=None if alibi.causal else attention_mask,
+            scale=self.softmax_scale,
+            dropout_p=dropout_p,
+        )
+    return context.permute(2, 0, 1, 3).reshape(sq, batch, self.hidden_size_per_partition)
+
+
+def wrap_gpt_model_init(settings: AlibiSettings):
+    """``GPTModel(position_embedding_type="alibi")``: no position embedding, ALiBi in every self-attention.
+
+    megatron-core only knows 'none' for "no position embedding", so the model is built with 'none' and
+    ``config.alibi`` (set here if the config does not carry it yet) switches the attention layers.
+    """
+
+    def factory(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            config = bound.arguments["config"]
+            requested = bound.arguments.get("position_embedding_type", "learned_absolute")
+            if requested != "alibi":
+                if getattr(config, "alibi", None) is not None:
+                    raise ValueError(
+                        f"the TransformerConfig carries ALiBi settings but GPTModel was asked for "
+                        f"position_embedding_type={requested!r}; pass 'alibi' (or drop config.alibi)"
+                    )
+                return original(*bound.args, **bound.kwargs)
+            if getattr(config, "alibi", None) is None:
+                config.alibi = settings
+            bound.arguments["position_embedding_type"] = "none"
+            original(*bound.args, **bound.kwargs)
+            _check_every_self_attention_has_alibi(self)
+
+        return __init__
+
+    return factory
+
+
+def _check_every_self_attention_has_alibi(model: torch.nn.Module) -> None:
+    from megatron.core.transformer.attention import SelfAttention
+
+    for name, module in model.named_modules():
+        if isinstance(module, SelfAttention) and getattr(module.core_attention, "alibi", None) is None:
+            raise ValueError(
+                f"ALiBi is applied by megatron-core's DotProductAttention, but {name}.core_attention is a "
+                f"{type(module.core_attention).__name__}: build the model with the local layer spec "
+                "(--transformer-impl local; Transformer Engine attention is not supported yet)"
+            )

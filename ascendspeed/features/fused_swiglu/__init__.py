@@ -1,0 +1,13 @@
+"""Fused SwiGLU: ``--use-fused-swiglu`` (with ``--swiglu``) runs the SwiGLU of every gated MLP as one
+operator, ``ascendspeed.ops.swiglu``, forward and backward, saving only its input for backward.
+
+Both of megatron-core's SwiGLU paths are switched: the bias-activation-fusion path
+(``bias_swiglu_impl``) and the unfused gated path of ``MLP.forward``. megatron-core users call
+``ascendspeed.features.enable_features(swiglu=True, use_fused_swiglu=True)``. See
+``docs/features/swiglu.md``.
+"""
+from ascendspeed.features.fused_swiglu.feature import FusedSwigluFeature
+
+FEATURE = FusedSwigluFeature()
+
+__all__ = ["FEATURE", "FusedSwigluFeature"]

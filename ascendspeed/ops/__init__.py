@@ -1,0 +1,3 @@
+"""Public operators of ascendspeed."""
+from ascendspeed.ops.swiglu import swiglu
+from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, alibi_slopes, local_alibi_slopes

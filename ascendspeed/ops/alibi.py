@@ -1,0 +1,223 @@
+"""ALiBi, attention with linear biases (Press et al., "Train Short, Test Long", arXiv 2108.12409).
+
+Head ``h`` adds ``-m_h * (q_pos - k_pos)`` to its scaled attention scores, with fixed slopes ``m_h``
+forming a geometric sequence. Two ways to apply it:
+
+* :func:`alibi_bias_` adds the bias in place to a score buffer with the C++ operator
+  ``torch.ops.ascendspeed.alibi_bias_`` (fp32 bias math, nothing of size [heads, sq, sk] allocated).
+  This is what Megatron's local attention path uses, between its ``baddbmm`` and its softmax.
+* :func:`alibi_attention` is a fused attention: torch's flash attention with an O(heads * sk) fp32
+  bias on CPU, ``npu_fusion_attention`` with its kernel-generated ALiBi on Ascend NPUs.
+
+Positions are absolute: query row ``i`` is at position ``i + q_offset``, key column ``j`` at ``j``.
+The default ``q_offset = sk - sq`` puts the query block at the end of the keys, as in decoding
+with a KV cache or chunked prefill.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ascendspeed.ops._extension import load_extension
+
+__all__ = ["alibi_slopes", "local_alibi_slopes", "alibi_bias_", "alibi_attention"]
+
+load_extension()  # defines ascendspeed::alibi_bias_ and its CPU kernel
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The paper's slopes for ``num_heads`` heads, as a new fp32 CPU tensor.
+
+    For a power of two ``n`` they are ``2^(-8/n), 2^(-16/n), ..., 2^-8``. Otherwise the first
+    ``c = 2^floor(log2 n)`` of those are followed by every other slope of the ``2c`` series,
+    which keeps the slopes spread between 2^-8 and 1 (the paper's reference code does the same).
+    """
+    if num_heads < 1:
+        raise ValueError(f"ALiBi needs at least one attention head, got {num_heads}")
+    return torch.tensor(_slopes(num_heads), dtype=torch.float32)
+
+
+def _geometric_slopes(count: int) -> list[float]:
+    ratio = 2.0 ** (-8.0 / count)
+    return [ratio * ratio**k for k in range(count)]
+
+
+def _slopes(num_heads: int) -> list[float]:
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = _geometric_slopes(closest)
+    if closest < num_heads:
+        slopes += _slopes(2 * closest)[0::2][: num_heads - closest]
+    return slopes
+
+
+def local_alibi_slopes(
+    num_heads: int, tp_rank: int = 0, tp_size: int = 1, device: Optional[torch.device | str] = None
+) -> torch.Tensor:
+    """The slopes of the heads tensor-parallel rank ``tp_rank`` owns, on ``device``.
+
+    Megatron gives rank ``r`` the contiguous heads ``[r * n / tp, (r + 1) * n / tp)``. The result
+    is cached per (heads, rank, tp size, device) and shared by every layer and step: treat it as
+    read-only.
+    """
+    if num_heads % tp_size:
+        raise ValueError(f"{num_heads} attention heads do not split over tensor parallel size {tp_size}")
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor parallel rank {tp_rank} outside [0, {tp_size})")
+    return _cached_local_slopes(num_heads, tp_rank, tp_size, torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_local_slopes(num_heads: int, tp_rank: int, tp_size: int, device: torch.device) -> torch.Tensor:
+    per_rank = num_heads // tp_size
+    return alibi_slopes(num_heads)[tp_rank * per_rank : (tp_rank + 1) * per_rank].to(device)
+
+
+def alibi_bias_(
+    scores: torch.Tensor,
+    slopes: torch.Tensor,
+    q_offset: Optional[int] = None,
+    *,
+    symmetric: bool = False,
+) -> torch.Tensor:
+    """Add the ALiBi bias to ``scores`` ([heads, sq, sk] or [batch, heads, sq, sk]) in place.
+
+    ``scores`` must already be scaled by the softmax scale: the bias is never scaled. The causal form
+    adds ``-m * (q_pos - k_pos)`` (its values above the causal diagonal are masked later anyway);
+    ``symmetric=True`` adds ``-m * |q_pos - k_pos|`` for non-causal attention. Autograd sees an
+    identity: the bias is a constant, so the gradient flows to ``scores`` unchanged, and ``slopes``
+    get none. Returns ``scores``.
+    """
+    if q_offset is None:
+        q_offset = scores.size(-1) - scores.size(-2)
+    torch.ops.ascendspeed.alibi_bias_(scores, slopes, int(q_offset), bool(symmetric))
+    return scores
+
+
+def _alibi_bias_autograd(scores, slopes, q_offset=0, symmetric=False):
+    # d(scores + bias)/d(scores) is the identity, so the autograd graph stays as it is: scores keep
+    # their grad_fn, and only the version counter moves so that anything saved for backward and
+    # overwritten here is reported by autograd instead of silently used.
+    if slopes.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("alibi_bias_: ALiBi slopes are fixed, they cannot require grad")
+    if scores.is_leaf and scores.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("alibi_bias_: a leaf tensor that requires grad cannot be modified in place")
+    with torch._C._AutoDispatchBelowAutograd():
+        torch.ops.ascendspeed.alibi_bias_(scores, slopes, q_offset, symmetric)
+    torch.autograd.graph.increment_version(scores)
+
+
+def _alibi_bias_fake(scores, slopes, q_offset=0, symmetric=False):
+    return None
+
+
+def _alibi_bias_reference(scores, slopes, q_offset=0, symmetric=False):
+    """Devices without a kernel: one head at a time, so only a [sq, sk] distance table is built."""
+    sq, sk = scores.shape[-2:]
+    distance = (
+        torch.arange(q_offset, q_offset + sq, device=scores.device, dtype=torch.float32)[:, None]
+        - torch.arange(sk, device=scores.device, dtype=torch.float32)
+    )
+    if symmetric:
+        distance = distance.abs()
+    opmath = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    for head, slope in enumerate(slopes.tolist()):
+        head_scores = scores[..., head, :, :]
+        head_scores.copy_(head_scores.to(opmath) - slope * distance.to(opmath))
+
+
+_LIBRARY = torch.library.Library("ascendspeed", "IMPL")
+_LIBRARY.impl("alibi_bias_", _alibi_bias_autograd, "Autograd")
+_LIBRARY.impl("alibi_bias_", _alibi_bias_reference, "CompositeExplicitAutograd")
+torch.library.register_fake("ascendspeed::alibi_bias_", _alibi_bias_fake)
+
+
+def alibi_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slopes: torch.Tensor,
+    *,
+    causal: bool = True,
+    q_offset: Optional[int] = None,
+    masked_out: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Fused softmax(q k^T * scale + alibi) v over [batch, heads, seq, head_dim] tensors.
+
+    ``masked_out`` (optional, bool, True where a query must not see a key) broadcasts to
+    [batch, heads, sq, sk]; ``causal`` hides keys after each query's absolute position.
+
+    On CPU, causal attention with ``q_offset == 0`` (training, prefill) runs torch's flash kernel
+    with a per-key fp32 bias ``m * (k_pos - (sq - 1))``: under a causal mask it differs from
+    ``-m * (q_pos - k_pos)`` by a per-row constant, which softmax ignores, so the extra memory is
+    O(heads * sk). It must stay fp32: in bf16 the large values lose the position signal. Other
+    cases (an offset query block, dropout, a mask, non-causal) build a [heads, sq, sk] fp32 bias
+    and call ``scaled_dot_product_attention``. On NPU the kernel generates ALiBi itself.
+    """
+    sq, sk = query.size(-2), key.size(-2)
+    if q_offset is None:
+        q_offset = sk - sq
+    if scale is None:
+        scale = query.size(-1) ** -0.5
+    if query.device.type == "npu":
+        return _npu_alibi_attention(query, key, value, slopes, causal, q_offset, masked_out, scale, dropout_p)
+    slopes = slopes.to(device=query.device, dtype=torch.float32)
+    if query.device.type == "cpu" and causal and q_offset == 0 and masked_out is None and dropout_p == 0.0:
+        key_bias = slopes[:, None] * (torch.arange(sk, device=query.device, dtype=torch.float32) - (sq - 1))
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, True, attn_mask=key_bias[None, :, None, :], scale=scale
+        )
+        return out
+    # CPU kernels take an fp32 mask for any query dtype; GPU kernels want the query dtype. Rounding this
+    # exact relative form costs little: the entries that carry attention weight (near the diagonal) are small.
+    dtype = torch.float32 if query.device.type == "cpu" else query.dtype
+    bias = _materialised_bias(slopes, sq, sk, q_offset, causal, masked_out, dtype)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
+def _materialised_bias(slopes, sq, sk, q_offset, causal, masked_out, dtype) -> torch.Tensor:
+    """The full [1 or batch, heads, sq, sk] bias, computed in fp32, masked positions at ``dtype``'s minimum."""
+    distance = (
+        torch.arange(q_offset, q_offset + sq, device=slopes.device, dtype=torch.float32)[:, None]
+        - torch.arange(sk, device=slopes.device, dtype=torch.float32)
+    )
+    bias = (-slopes[:, None, None] * (distance if causal else distance.abs())).to(dtype)
+    hidden = distance < 0 if causal else None
+    if masked_out is not None:
+        hidden = masked_out if hidden is None else hidden | masked_out
+    if hidden is not None:
+        bias = bias.masked_fill(hidden, torch.finfo(dtype).min)
+    return bias if bias.dim() == 4 else bias[None]
+
+
+def _npu_alibi_attention(query, key, value, slopes, causal, q_offset, masked_out, scale, dropout_p):
+    """Ascend: ``npu_fusion_attention_v2`` generates the ALiBi bias from fp32 slopes (pse_type 2)."""
+    import torch_npu  # optional dependency, present only on Ascend machines
+
+    if masked_out is not None or not causal or q_offset not in (0, key.size(-2) - query.size(-2)):
+        raise NotImplementedError(
+            "alibi_attention on NPU supports causal attention with the query block at the start "
+            "(q_offset=0) or at the end (q_offset=sk-sq) of the keys, without an extra mask"
+        )
+    # sparse_mode 2 aligns the causal mask top-left, 3 bottom-right; both take this compressed mask.
+    causal_mask = torch.ones(2048, 2048, dtype=torch.bool, device=query.device).triu_(1)
+    return torch_npu.npu_fusion_attention_v2(
+        query,
+        key,
+        value,
+        query.size(1),
+        "BNSD",
+        pse=slopes.to(device=query.device, dtype=torch.float32),
+        atten_mask=causal_mask,
+        scale=scale,
+        keep_prob=1.0 - dropout_p,
+        sparse_mode=2 if q_offset == 0 else 3,
+        pse_type=2,
+        q_start_idx=[q_offset],
+        kv_start_idx=[0],
+    )[0]
