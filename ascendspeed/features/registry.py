@@ -1,3 +1,5 @@
 """The features ascendspeed offers, in the order their patches are applied (wraps stack in this order)."""
 FEATURE_MODULES = (
+    "ascendspeed.features.alibi",
+    "ascendspeed.features.fused_swiglu",
 )
