@@ -81,15 +81,32 @@ def _compiler() -> list[str]:
     return shlex.split(command)
 
 
-def _include_directories() -> list[str]:
+def _torch_pybind11_include():
+    """torch ships pybind11's headers under its include directory; None when it does not."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(torch.__file__), "include")
+    return path if os.path.isfile(os.path.join(path, "pybind11", "pybind11.h")) else None
+
+
+def _pybind11_include() -> str:
     try:
         import pybind11
     except ImportError:
-        raise DatasetHelpersError(
-            "building Megatron's dataset helpers (megatron/core/datasets/helpers.cpp) needs pybind11's "
-            "headers: pip install pybind11"
-        ) from None
-    paths = [pybind11.get_include()]
+        path = _torch_pybind11_include()
+        if path is None:
+            raise DatasetHelpersError(
+                "building Megatron's dataset helpers (megatron/core/datasets/helpers.cpp) needs pybind11's "
+                "headers: pip install pybind11"
+            ) from None
+        return path
+    return pybind11.get_include()
+
+
+def _include_directories() -> list[str]:
+    paths = [_pybind11_include()]
     for key in ("include", "platinclude"):
         path = sysconfig.get_paths().get(key)
         if path and path not in paths:

@@ -66,7 +66,8 @@ def test_checkout_builds_when_missing_then_not_again(checkout, fake_compiler):
     built = dataset_helpers.ensure_built(str(checkout))
     assert built == str(checkout / f"helpers_cpp{EXT_SUFFIX}") and os.path.isfile(built)
     arguments = fake_compiler.read_text()
-    assert "-O3 -Wall -shared -std=c++17 -fPIC" in arguments and "pybind11" in arguments
+    assert "-O3 -Wall -shared -std=c++17 -fPIC" in arguments
+    assert os.path.isfile(os.path.join(dataset_helpers._pybind11_include(), "pybind11", "pybind11.h"))
     assert not [name for name in os.listdir(checkout) if name.startswith(".helpers_cpp")], "temporary left"
     assert dataset_helpers.ensure_built(str(checkout)) is None
     assert len(fake_compiler.read_text().splitlines()) == 1
@@ -97,8 +98,14 @@ def test_missing_compiler_and_missing_source_are_clear_errors(checkout, tmp_path
         dataset_helpers.ensure_built(str(empty))
 
 
+def test_without_pybind11_torch_headers_are_used(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pybind11", None)
+    assert os.path.isfile(os.path.join(dataset_helpers._pybind11_include(), "pybind11", "pybind11.h"))
+
+
 def test_missing_pybind11_is_a_clear_error(checkout, fake_compiler, monkeypatch):
     monkeypatch.setitem(sys.modules, "pybind11", None)
+    monkeypatch.setattr(dataset_helpers, "_torch_pybind11_include", lambda: None)
     with pytest.raises(dataset_helpers.DatasetHelpersError, match="pip install pybind11"):
         dataset_helpers.ensure_built(str(checkout))
 
@@ -110,7 +117,6 @@ def test_real_build_imports_and_works(checkout):
 
     import numpy
 
-    pytest.importorskip("pybind11")
     path = dataset_helpers.ensure_built(str(checkout))
     spec = importlib.util.spec_from_file_location("helpers_cpp", path)
     module = importlib.util.module_from_spec(spec)
