@@ -1,5 +1,6 @@
 """The features ascendspeed offers, in the order their patches are applied (wraps stack in this order)."""
 FEATURE_MODULES = (
+    "ascendspeed.features.async_ddp",
     "ascendspeed.features.alibi",
     "ascendspeed.features.fused_swiglu",
 )
