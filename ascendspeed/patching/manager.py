@@ -243,15 +243,12 @@ class PatchManager:
             owner, attribute = resolve_owner(patch, module)
         except AttributeError as exc:
             raise self._error(entry, "the target's parent does not exist", f"missing ({exc})") from None
-        owned = isinstance(owner, type) and attribute in vars(owner) or not isinstance(owner, type)
-        if isinstance(owner, type):
-            if not hasattr(owner, attribute):
-                raise self._error(entry, "the attribute to exist", "missing")
-            original = vars(owner)[attribute] if attribute in vars(owner) else getattr(owner, attribute)
-        else:
-            if not hasattr(owner, attribute):
-                raise self._error(entry, "the attribute to exist", "missing")
-            original = getattr(owner, attribute)
+        if not hasattr(owner, attribute):
+            raise self._error(entry, "the attribute to exist", "missing")
+        is_class = isinstance(owner, type)
+        owned = not is_class or attribute in vars(owner)
+        # A class's own __dict__ entry keeps staticmethod/classmethod descriptors intact.
+        original = vars(owner)[attribute] if is_class and owned else getattr(owner, attribute)
         if patch.expect is not EXISTS:
             found = describe_signature(original)
             if found != patch.expect:
