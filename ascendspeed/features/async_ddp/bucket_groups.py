@@ -1,0 +1,158 @@
+"""Patches on megatron-core's ``_ParamAndGradBucketGroup``: dispatch from the hooks, exactly once.
+
+A group dispatches its collective once every expected gradient arrived (``register_grad_ready``), at
+most once per step (``start_grad_sync``; the hooks and the schedule may both ask); ``finish_grad_sync``
+dispatches groups backward never completed (unused parameters), waits, and reduces gradients that
+arrived after dispatch with an extra collective, so the result is always exact.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ascendspeed.features.async_ddp.state import AsyncDDPSettings, OverlapState, overlap_state
+from ascendspeed.features.async_ddp.telemetry import Telemetry
+from ascendspeed.patching import Patch, replace, wrap
+
+
+def _works_of(handle):
+    """The ``Work`` objects behind a grad-reduce handle (a coalescing manager or a single work)."""
+    if handle is None:
+        return []
+    works = getattr(handle, "works", None)
+    if works is not None:
+        return [work for work in works if hasattr(work, "get_future")]
+    return [handle] if hasattr(handle, "get_future") else []
+
+
+def _grad_offset(bucket, param) -> int:
+    """Where ``param``'s gradient starts inside ``bucket.grad_data`` (padding included)."""
+    return param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
+
+
+def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce: Optional[bool] = False):
+    """Count ``param``'s gradient; dispatch the group's collective once all expected ones arrived."""
+    assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() needs overlap_grad_reduce"
+    if not self.is_last_microbatch:
+        return
+    assert param in self.param_to_bucket, "Param is not in the bucket group"
+    state = overlap_state(self)
+    if state.mark_ready(param) and not state.dispatched:
+        self.start_grad_sync(force_all_reduce=force_all_reduce)
+
+
+def wrap_start_grad_sync(settings: AsyncDDPSettings):
+    """Dispatch at most once per step (hooks and the schedule may both ask), and time the collective."""
+    telemetry = settings.telemetry
+
+    def factory(original):
+        @functools.wraps(original)
+        def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
+            state = overlap_state(self)
+            if state.dispatched:
+                return
+            state.dispatched = True
+            if telemetry is None:
+                return original(self, force_all_reduce=force_all_reduce)
+            start = telemetry.now()
+            result = original(self, force_all_reduce=force_all_reduce)
+            state.telemetry_token = telemetry.on_dispatch(
+                state.label, state.numel, state.last_ready, start, _works_of(self.grad_reduce_handle)
+            )
+            return result
+
+        return start_grad_sync
+
+    return factory
+
+
+def make_finish_grad_sync(settings: AsyncDDPSettings):
+    telemetry = settings.telemetry
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        """Wait for the group's collective; dispatch it first if backward never completed the group."""
+        if telemetry is not None:
+            telemetry.on_compute_end()
+        state = overlap_state(self)
+        self.param_gather_dispatched = False
+        if not self.ddp_config.overlap_grad_reduce:
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+            state.end_step(learn=False)
+            return
+        if not state.dispatched:
+            self.start_grad_sync(force_all_reduce=force_all_reduce)
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+        if telemetry is not None:
+            telemetry.on_waited(state.telemetry_token)
+        if state.late_grads:
+            _reduce_late_gradients(self, state, force_all_reduce, telemetry)
+        state.end_step(learn=True)
+
+    return finish_grad_sync
+
+
+def make_reset():
+    def reset(self):
+        """Prepare the group for the next step (an unfinished collective is completed first)."""
+        if self.grad_reduce_handle is not None:
+            self.grad_reduce_handle.wait()
+            self.grad_reduce_handle = None
+        overlap_state(self).begin_step()
+        self.per_param_grad_ready_counts = {}
+        self.is_last_microbatch = True
+
+    return reset
+
+
+def _reduce_late_gradients(group, state: OverlapState, force_all_reduce, telemetry: Optional[Telemetry]):
+    """Reduce the gradients that arrived after dispatch with the same collective, then add them in."""
+    distributed = torch.distributed
+    use_reduce_scatter = group.ddp_config.use_distributed_optimizer and not force_all_reduce
+    if group.ddp_config.use_distributed_optimizer:
+        process_group = group.intra_distributed_optimizer_instance_group
+        size = group.intra_distributed_optimizer_instance_size
+        rank = group.intra_distributed_optimizer_instance_rank
+    else:
+        process_group = group.data_parallel_group
+    op = distributed.ReduceOp.AVG if group.ddp_config.average_in_collective else distributed.ReduceOp.SUM
+    for bucket in group.buckets:
+        late = [(param, grad) for param, grad in state.late_grads.items() if param in bucket.params]
+        if not late:
+            continue
+        start = telemetry.now() if telemetry is not None else None
+        side = torch.zeros_like(bucket.grad_data)
+        for param, grad in late:
+            offset = _grad_offset(bucket, param)
+            side[offset:offset + param.numel()].add_(grad.reshape(-1).to(side.dtype))
+        if bucket.gradient_scaling_factor != 1.0:
+            side *= bucket.gradient_scaling_factor
+        if use_reduce_scatter:
+            shard = side.numel() // size
+            reduced = torch.empty(shard, dtype=side.dtype, device=side.device)
+            distributed.reduce_scatter_tensor(reduced, side, op=op, group=process_group)
+            bucket.grad_data[rank * shard:(rank + 1) * shard].add_(reduced)
+        else:
+            distributed.all_reduce(side, op=op, group=process_group)
+            bucket.grad_data.add_(side)
+        if telemetry is not None:
+            telemetry.on_dispatch(state.label, side.numel(), None, start, [], kind="late")
+
+
+def patches(settings: AsyncDDPSettings) -> list[Patch]:
+    return [
+        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready",
+                register_grad_ready, expect="(self, param, force_all_reduce=False)",
+                name="async ddp: dispatch once every expected gradient arrived, from iteration 1"),
+        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
+             wrap_start_grad_sync(settings), expect="(self, force_all_reduce=False)",
+             name="async ddp: dispatch at most once per step, timed"),
+        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
+                make_finish_grad_sync(settings), expect="(self, force_all_reduce=False)",
+                name="async ddp: dispatch what backward never completed, wait, reduce late gradients"),
+        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset",
+                make_reset(), expect="(self)", name="async ddp: reset the overlap state each step"),
+    ]
