@@ -92,8 +92,10 @@ def every_patch() -> list[dict]:
         (accelerator.NPU_FEATURE, triton_guard.guard_patches()),
         (megatron_lm.FEATURE_NAME, megatron_lm.patches()),
     ]
-    args = build_list_parser().parse_args([flag for f in all_features() for flag in f.example_flags])
-    groups += [(feature.name, feature.patches(feature.settings(args))) for feature in all_features()]
+    parser = build_list_parser()
+    for feature in all_features():
+        args = parser.parse_args(list(feature.example_flags))
+        groups.append((feature.name, feature.patches(feature.settings(args))))
     return [patch_row(name, patch) for name, patches in groups for patch in patches]
 
 

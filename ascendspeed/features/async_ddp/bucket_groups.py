@@ -4,6 +4,10 @@ A group dispatches its collective once every expected gradient arrived (``regist
 most once per step (``start_grad_sync``; the hooks and the schedule may both ask); ``finish_grad_sync``
 dispatches groups backward never completed (unused parameters), waits, and reduces gradients that
 arrived after dispatch with an extra collective, so the result is always exact.
+
+megatron-core 0.16 added ``force_all_reduce`` to these methods; on 0.15 they take none. The functions
+here take ``force_all_reduce=None`` ("not given") and pass it on only when given, so one implementation
+serves both; the patches name each release range's signature.
 """
 from __future__ import annotations
 
@@ -32,7 +36,12 @@ def _grad_offset(bucket, param) -> int:
     return param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
 
 
-def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce: Optional[bool] = False):
+def _forwarded(force_all_reduce: Optional[bool]) -> dict:
+    """``force_all_reduce`` as a keyword for megatron-core's methods, only when the caller gave one."""
+    return {} if force_all_reduce is None else {"force_all_reduce": force_all_reduce}
+
+
+def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce: Optional[bool] = None):
     """Count ``param``'s gradient; dispatch the group's collective once all expected ones arrived."""
     assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() needs overlap_grad_reduce"
     if not self.is_last_microbatch:
@@ -40,7 +49,7 @@ def register_grad_ready(self, param: torch.nn.Parameter, force_all_reduce: Optio
     assert param in self.param_to_bucket, "Param is not in the bucket group"
     state = overlap_state(self)
     if state.mark_ready(param) and not state.dispatched:
-        self.start_grad_sync(force_all_reduce=force_all_reduce)
+        self.start_grad_sync(**_forwarded(force_all_reduce))
 
 
 def wrap_start_grad_sync(settings: AsyncDDPSettings):
@@ -49,15 +58,15 @@ def wrap_start_grad_sync(settings: AsyncDDPSettings):
 
     def factory(original):
         @functools.wraps(original)
-        def start_grad_sync(self, force_all_reduce: Optional[bool] = False):
+        def start_grad_sync(self, force_all_reduce: Optional[bool] = None):
             state = overlap_state(self)
             if state.dispatched:
                 return
             state.dispatched = True
             if telemetry is None:
-                return original(self, force_all_reduce=force_all_reduce)
+                return original(self, **_forwarded(force_all_reduce))
             start = telemetry.now()
-            result = original(self, force_all_reduce=force_all_reduce)
+            result = original(self, **_forwarded(force_all_reduce))
             state.telemetry_token = telemetry.on_dispatch(
                 state.label, state.numel, state.last_ready, start, _works_of(self.grad_reduce_handle)
             )
@@ -71,18 +80,18 @@ def wrap_start_grad_sync(settings: AsyncDDPSettings):
 def make_finish_grad_sync(settings: AsyncDDPSettings):
     telemetry = settings.telemetry
 
-    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False):
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = None):
         """Wait for the group's collective; dispatch it first if backward never completed the group."""
         if telemetry is not None:
             telemetry.on_compute_end()
         state = overlap_state(self)
         self.param_gather_dispatched = False
         if not self.ddp_config.overlap_grad_reduce:
-            self.start_grad_sync(force_all_reduce=force_all_reduce)
+            self.start_grad_sync(**_forwarded(force_all_reduce))
             state.end_step(learn=False)
             return
         if not state.dispatched:
-            self.start_grad_sync(force_all_reduce=force_all_reduce)
+            self.start_grad_sync(**_forwarded(force_all_reduce))
         if self.grad_reduce_handle is not None:
             self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
@@ -143,15 +152,25 @@ def _reduce_late_gradients(group, state: OverlapState, force_all_reduce, telemet
 
 
 def patches(settings: AsyncDDPSettings) -> list[Patch]:
+    start = wrap_start_grad_sync(settings)
+    finish = make_finish_grad_sync(settings)
     return [
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready",
-                register_grad_ready, expect="(self, param, force_all_reduce=False)",
+                register_grad_ready, expect="(self, param, force_all_reduce=False)", megatron=">=0.16",
+                name="async ddp: dispatch once every expected gradient arrived, from iteration 1"),
+        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready",
+                register_grad_ready, expect="(self, param)", megatron="<0.16",
                 name="async ddp: dispatch once every expected gradient arrived, from iteration 1"),
         wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
-             wrap_start_grad_sync(settings), expect="(self, force_all_reduce=False)",
+             start, expect="(self, force_all_reduce=False)", megatron=">=0.16",
              name="async ddp: dispatch at most once per step, timed"),
+        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
+             start, expect="(self)", megatron="<0.16", name="async ddp: dispatch at most once per step, timed"),
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
-                make_finish_grad_sync(settings), expect="(self, force_all_reduce=False)",
+                finish, expect="(self, force_all_reduce=False)", megatron=">=0.16",
+                name="async ddp: dispatch what backward never completed, wait, reduce late gradients"),
+        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
+                finish, expect="(self)", megatron="<0.16",
                 name="async ddp: dispatch what backward never completed, wait, reduce late gradients"),
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset",
                 make_reset(), expect="(self)", name="async ddp: reset the overlap state each step"),

@@ -69,13 +69,16 @@ def wrap_buffer_init(settings: AsyncDDPSettings):
     return factory
 
 
-def make_backward_post_hook(settings: AsyncDDPSettings):
+def make_backward_post_hook(settings: AsyncDDPSettings, passes_force_all_reduce: bool):
     """megatron-core's parameter hook, plus: gradients arriving after their bucket was sent go aside."""
     from megatron.core.transformer.cuda_graphs import is_graph_capturing
 
     telemetry = settings.telemetry
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        # megatron-core 0.16 added DistributedDataParallel.force_all_reduce (passed to the bucket groups).
+        forced = {"force_all_reduce": self.force_all_reduce} if passes_force_all_reduce else {}
+
         def hook(*unused):
             if is_graph_capturing():
                 return
@@ -97,7 +100,7 @@ def make_backward_post_hook(settings: AsyncDDPSettings):
                 param.main_grad.add_(grad.data)
             param.grad = None
             if overlap:
-                group.register_grad_ready(param, self.force_all_reduce)
+                group.register_grad_ready(param, **forced)
 
         return hook
 
@@ -156,8 +159,11 @@ def patches(settings: AsyncDDPSettings) -> list[Patch]:
                     "param_to_name, gradient_scaling_factor, param_indices, nccl_ub, pg_collection=None)",
              name="async ddp: the configured bucket size on pipeline stages after the first"),
         replace("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel._make_backward_post_hook",
-                make_backward_post_hook(settings), expect="(self, param)",
-                name="async ddp: gradients arriving after their bucket was sent go aside"),
+                make_backward_post_hook(settings, passes_force_all_reduce=True), expect="(self, param)",
+                megatron=">=0.16", name="async ddp: gradients arriving after their bucket was sent go aside"),
+        replace("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel._make_backward_post_hook",
+                make_backward_post_hook(settings, passes_force_all_reduce=False), expect="(self, param)",
+                megatron="<0.16", name="async ddp: gradients arriving after their bucket was sent go aside"),
     ]
     if settings.telemetry is not None:
         found.append(wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.zero_grad_buffer",

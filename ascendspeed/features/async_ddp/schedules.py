@@ -6,11 +6,16 @@ import functools
 from ascendspeed.features.async_ddp.state import AsyncDDPSettings
 from ascendspeed.patching import Patch, wrap
 
-_SCHEDULE = (
+_COMMON = (
     "(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size, "
     "decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None, "
-    "adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False)"
+    "adjust_tensor_shapes_fn=None, "
 )
+#: The schedules' keyword-only signatures: 0.16 added ``force_all_reduce`` (and ``p2p_communicator`` to the
+#: no-pipelining schedule, which 0.15's pipelined schedules already took).
+SCHEDULE = _COMMON + "p2p_communicator=None, pg_collection=None, force_all_reduce=False)"
+SCHEDULE_0_15 = _COMMON + "p2p_communicator=None, pg_collection=None)"
+NO_PIPELINING_0_15 = _COMMON + "pg_collection=None)"
 
 
 def wrap_schedule(settings: AsyncDDPSettings):
@@ -55,9 +60,15 @@ def patches(settings: AsyncDDPSettings) -> list[Patch]:
     schedule = wrap_schedule(settings)
     return [
         wrap("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining", schedule,
-             expect=_SCHEDULE, name="async ddp: no pipeline schedule"),
+             expect=SCHEDULE, megatron=">=0.16", name="async ddp: no pipeline schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining", schedule,
+             expect=NO_PIPELINING_0_15, megatron="<0.16", name="async ddp: no pipeline schedule"),
         wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
-             schedule, expect=_SCHEDULE, name="async ddp: 1F1B schedule"),
+             schedule, expect=SCHEDULE, megatron=">=0.16", name="async ddp: 1F1B schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+             schedule, expect=SCHEDULE_0_15, megatron="<0.16", name="async ddp: 1F1B schedule"),
         wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
-             schedule, expect=_SCHEDULE, name="async ddp: interleaved schedule"),
+             schedule, expect=SCHEDULE, megatron=">=0.16", name="async ddp: interleaved schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+             schedule, expect=SCHEDULE_0_15, megatron="<0.16", name="async ddp: interleaved schedule"),
     ]
