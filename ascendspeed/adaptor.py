@@ -6,7 +6,11 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ascendspeed.patching import MANAGER, PatchManager, release
 
-SUPPORTED_MEGATRON_CORE = ("0.16.0", "0.17.0")  # [lowest, highest) tested release range
+#: The tested megatron-core releases, [lowest, highest): every minor release from 0.15 to 0.19.
+SUPPORTED_MEGATRON_CORE = ("0.15.0", "0.20.0")
+#: What to install: the newest release for each Python (0.17 and newer need Python 3.12).
+INSTALL_HINT = ("pip install 'megatron-core==0.19.2' (Python >= 3.12), or 'megatron-core==0.16.1' "
+                "(the newest release for Python 3.10 and 3.11)")
 
 
 def check_megatron_core_version() -> str:
@@ -16,13 +20,12 @@ def check_megatron_core_version() -> str:
         found = version("megatron-core")
     except PackageNotFoundError:
         raise ImportError(
-            f"ascendspeed needs megatron-core >={low},<{high}; it is not installed "
-            f"(pip install megatron-core==0.16.1)"
+            f"ascendspeed needs megatron-core >={low},<{high}; it is not installed: {INSTALL_HINT}"
         ) from None
     if not release(low) <= release(found) < release(high):
         raise ImportError(
-            f"ascendspeed supports megatron-core >={low},<{high}, found {found}; "
-            f"install a supported release (pip install megatron-core==0.16.1)"
+            f"ascendspeed supports megatron-core >={low},<{high} (0.15 to 0.19), found {found}; "
+            f"install a supported release: {INSTALL_HINT}"
         )
     return found
 

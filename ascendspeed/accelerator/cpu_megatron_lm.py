@@ -118,23 +118,46 @@ def validation_environment():
 
 
 def patches():
+    counting = "megatron-lm on cpu: count the CPU so model parallelism is initialised"
+    seeding = "megatron-lm on cpu: count the CPU so the model-parallel RNG is seeded"
+    initialize = "megatron-lm on cpu: initialize without CUDA"
+    arch = "megatron-lm on cpu: no CUDA architecture"
     return [
+        wrap("torch.cuda:device_count", _wrap_device_count, expect=EXISTS,
+             name="megatron-lm on cpu: the CPU counts as one device inside the two calls below"),
         wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
              expect="(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False, allow_no_cuda=False, "
                     "skip_mpu_initialization=False, get_embedding_ranks=None, get_position_embedding_ranks=None, "
                     "parsed_args=None, store=None)",
-             name="megatron-lm on cpu: initialize without CUDA"),
-        wrap("torch.cuda:device_count", _wrap_device_count, expect=EXISTS,
-             name="megatron-lm on cpu: the CPU counts as one device inside the two calls below"),
+             megatron="<0.18", name=initialize),
+        wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
+             expect="(allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None, "
+                    "get_position_embedding_ranks=None, store=None)",
+             megatron=">=0.18,<0.19", name=initialize),
+        wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
+             expect="(allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None, "
+                    "get_position_embedding_ranks=None, store=None, skip_model_parallel_init=False, "
+                    "seed_pp_group=None, seed_dp_group=None, seed_tp_group=None, seed_ep_group=None, "
+                    "seed_etp_group=None, skip_random_seed=False)",
+             megatron=">=0.19", name=initialize),
         wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
-             expect="(get_embedding_ranks, get_position_embedding_ranks, store)",
-             name="megatron-lm on cpu: count the CPU so model parallelism is initialised"),
+             expect="(get_embedding_ranks, get_position_embedding_ranks, store)", megatron="<0.19", name=counting),
+        wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
+             expect="(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=False)",
+             megatron=">=0.19", name=counting),
         wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
              expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
                     "use_cudagraphable_rng=False)",
-             name="megatron-lm on cpu: count the CPU so the model-parallel RNG is seeded"),
-        replace("megatron.legacy.fused_kernels:load", load_no_fused_kernels, expect="(args)",
+             megatron="<0.19", name=seeding),
+        wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
+             expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
+                    "use_cudagraphable_rng=False, pp_group=None, dp_group=None, tp_group=None, ep_group=None, "
+                    "etp_group=None)",
+             megatron=">=0.19", name=seeding),
+        replace("megatron.legacy.fused_kernels:load", load_no_fused_kernels, expect="(args)", megatron="<0.17",
                 name="megatron-lm on cpu: no CUDA fused kernels to build"),
         replace("megatron.training.utils:get_device_arch_version", cpu_device_arch_version, expect="()",
-                name="megatron-lm on cpu: no CUDA architecture"),
+                megatron="<0.18", name=arch),
+        replace("megatron.training.utils.common_utils:get_device_arch_version", cpu_device_arch_version,
+                expect="()", megatron=">=0.18", name=arch),
     ]

@@ -86,7 +86,10 @@ def patches():
         wrap("megatron.training.arguments:validate_args", _wrap_validate_args, expect="(args, defaults={})",
              name="megatron-lm: validate and apply the selected features after Megatron's checks"),
         wrap("megatron.training.arguments:core_transformer_config_from_args",
-             _wrap_core_transformer_config_from_args, expect="(args, config_class=None)",
+             _wrap_core_transformer_config_from_args, expect="(args, config_class=None)", megatron="<0.18",
+             name="megatron-lm: features carry their settings into the TransformerConfig"),
+        wrap("megatron.training.argument_utils:core_transformer_config_from_args",
+             _wrap_core_transformer_config_from_args, expect="(args, config_class=None)", megatron=">=0.18",
              name="megatron-lm: features carry their settings into the TransformerConfig"),
         *dataset_helpers.patches(),
     ]

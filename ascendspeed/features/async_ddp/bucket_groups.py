@@ -11,6 +11,7 @@ serves both; the patches name each release range's signature.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -32,8 +33,12 @@ def _works_of(handle):
 
 
 def _grad_offset(bucket, param) -> int:
-    """Where ``param``'s gradient starts inside ``bucket.grad_data`` (padding included)."""
-    return param.main_grad.storage_offset() - bucket.grad_data.storage_offset()
+    """Where ``param``'s gradient starts inside ``bucket.grad_data`` (padding included). A parameter that
+    accumulates in a separate higher-precision ``main_grad`` (megatron-core 0.17+) has its slot of the
+    communication buffer in ``main_grad_copy_in_grad_buffer``."""
+    in_buffer = getattr(param, "main_grad_copy_in_grad_buffer", None)
+    slot = param.main_grad if in_buffer is None else in_buffer
+    return slot.storage_offset() - bucket.grad_data.storage_offset()
 
 
 def _forwarded(force_all_reduce: Optional[bool]) -> dict:
@@ -77,17 +82,35 @@ def wrap_start_grad_sync(settings: AsyncDDPSettings):
     return factory
 
 
-def make_finish_grad_sync(settings: AsyncDDPSettings):
+@dataclasses.dataclass(frozen=True)
+class BucketGroupRelease:
+    """What megatron-core's bucket group does around the collective, by release.
+
+    ``copies_back_extra_main_grads`` (0.17+): parameters accumulating in a separate higher-precision
+    ``main_grad`` get the reduced values copied back from the communication buffer after the wait.
+    ``tracks_finished`` (0.18+): ``grad_reduce_finished`` makes ``finish_grad_sync`` idempotent within a step
+    (a successor group may finish its predecessor early); ``reset`` clears it.
+    """
+
+    copies_back_extra_main_grads: bool
+    tracks_finished: bool
+
+
+def make_finish_grad_sync(settings: AsyncDDPSettings, release: BucketGroupRelease):
     telemetry = settings.telemetry
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = None):
         """Wait for the group's collective; dispatch it first if backward never completed the group."""
+        self.param_gather_dispatched = False
+        if release.tracks_finished and self.ddp_config.overlap_grad_reduce and self.grad_reduce_finished:
+            return
         if telemetry is not None:
             telemetry.on_compute_end()
         state = overlap_state(self)
-        self.param_gather_dispatched = False
         if not self.ddp_config.overlap_grad_reduce:
             self.start_grad_sync(**_forwarded(force_all_reduce))
+            if release.copies_back_extra_main_grads:
+                self._copy_back_extra_main_grads()
             state.end_step(learn=False)
             return
         if not state.dispatched:
@@ -99,12 +122,16 @@ def make_finish_grad_sync(settings: AsyncDDPSettings):
             telemetry.on_waited(state.telemetry_token)
         if state.late_grads:
             _reduce_late_gradients(self, state, force_all_reduce, telemetry)
+        if release.copies_back_extra_main_grads:
+            self._copy_back_extra_main_grads()
+        if release.tracks_finished:
+            self.grad_reduce_finished = True
         state.end_step(learn=True)
 
     return finish_grad_sync
 
 
-def make_reset():
+def make_reset(release: BucketGroupRelease):
     def reset(self):
         """Prepare the group for the next step (an unfinished collective is completed first)."""
         if self.grad_reduce_handle is not None:
@@ -113,6 +140,8 @@ def make_reset():
         overlap_state(self).begin_step()
         self.per_param_grad_ready_counts = {}
         self.is_last_microbatch = True
+        if release.tracks_finished:
+            self.grad_reduce_finished = False
 
     return reset
 
@@ -151,27 +180,38 @@ def _reduce_late_gradients(group, state: OverlapState, force_all_reduce, telemet
             telemetry.on_dispatch(state.label, side.numel(), None, start, [], kind="late")
 
 
+_RELEASES = {
+    "<0.17": BucketGroupRelease(copies_back_extra_main_grads=False, tracks_finished=False),
+    ">=0.17,<0.18": BucketGroupRelease(copies_back_extra_main_grads=True, tracks_finished=False),
+    ">=0.18": BucketGroupRelease(copies_back_extra_main_grads=True, tracks_finished=True),
+}
+
+
 def patches(settings: AsyncDDPSettings) -> list[Patch]:
     start = wrap_start_grad_sync(settings)
-    finish = make_finish_grad_sync(settings)
-    return [
+    ready = "async ddp: dispatch once every expected gradient arrived, from iteration 1"
+    once = "async ddp: dispatch at most once per step, timed"
+    finish = "async ddp: dispatch what backward never completed, wait, reduce late gradients"
+    reset = "async ddp: reset the overlap state each step"
+    found = [
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready",
-                register_grad_ready, expect="(self, param, force_all_reduce=False)", megatron=">=0.16",
-                name="async ddp: dispatch once every expected gradient arrived, from iteration 1"),
+                register_grad_ready, expect="(self, param)", megatron="<0.16", name=ready),
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.register_grad_ready",
-                register_grad_ready, expect="(self, param)", megatron="<0.16",
-                name="async ddp: dispatch once every expected gradient arrived, from iteration 1"),
+                register_grad_ready, expect="(self, param, force_all_reduce=False)", megatron=">=0.16", name=ready),
         wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
-             start, expect="(self, force_all_reduce=False)", megatron=">=0.16",
-             name="async ddp: dispatch at most once per step, timed"),
+             start, expect="(self)", megatron="<0.16", name=once),
         wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.start_grad_sync",
-             start, expect="(self)", megatron="<0.16", name="async ddp: dispatch at most once per step, timed"),
+             start, expect="(self, force_all_reduce=False)", megatron=">=0.16", name=once),
         replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
-                finish, expect="(self, force_all_reduce=False)", megatron=">=0.16",
-                name="async ddp: dispatch what backward never completed, wait, reduce late gradients"),
-        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
-                finish, expect="(self)", megatron="<0.16",
-                name="async ddp: dispatch what backward never completed, wait, reduce late gradients"),
-        replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset",
-                make_reset(), expect="(self)", name="async ddp: reset the overlap state each step"),
+                make_finish_grad_sync(settings, _RELEASES["<0.17"]), expect="(self)", megatron="<0.16", name=finish),
     ]
+    for releases, release in _RELEASES.items():
+        lowest = ">=0.16," + releases if releases.startswith("<") else releases
+        found += [
+            replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.finish_grad_sync",
+                    make_finish_grad_sync(settings, release), expect="(self, force_all_reduce=False)",
+                    megatron=lowest, name=finish),
+            replace("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.reset",
+                    make_reset(release), expect="(self)", megatron=releases, name=reset),
+        ]
+    return found

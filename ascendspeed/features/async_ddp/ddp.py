@@ -56,13 +56,15 @@ def wrap_buffer_init(settings: AsyncDDPSettings):
     configured bucket size when gradient reduction overlaps on every stage."""
 
     def factory(original):
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
-        def __init__(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group, bucket_size,
-                     *args, **kwargs):
-            if bucket_size is None and settings.all_stages and ddp_config.overlap_grad_reduce:
-                bucket_size = ddp_config.bucket_size
-            original(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group, bucket_size,
-                     *args, **kwargs)
+        def __init__(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            ddp_config = bound.arguments["ddp_config"]
+            if bound.arguments["bucket_size"] is None and settings.all_stages and ddp_config.overlap_grad_reduce:
+                bound.arguments["bucket_size"] = ddp_config.bucket_size
+            original(*bound.args, **bound.kwargs)
 
         return __init__
 
@@ -148,16 +150,29 @@ def wrap_zero_grad_buffer(settings: AsyncDDPSettings):
 
 
 def patches(settings: AsyncDDPSettings) -> list[Patch]:
+    ddp_init, buffer_init = wrap_ddp_init(settings), wrap_buffer_init(settings)
     found = [
-        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
-             wrap_ddp_init(settings),
+        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__", ddp_init,
              expect="(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None)",
-             name="async ddp: buckets on every stage and chunk, overlap state per bucket group"),
-        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__",
-             wrap_buffer_init(settings),
+             megatron="<0.18", name="async ddp: buckets on every stage and chunk, overlap state per bucket group"),
+        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__", ddp_init,
+             expect="(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, "
+                    "full_param_layout=None)",
+             megatron=">=0.18", name="async ddp: buckets on every stage and chunk, overlap state per bucket group"),
+        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__", buffer_init,
              expect="(self, ddp_config, param_dtype, grad_dtype, params, data_parallel_group, bucket_size, "
                     "param_to_name, gradient_scaling_factor, param_indices, nccl_ub, pg_collection=None)",
+             megatron="<0.17", name="async ddp: the configured bucket size on pipeline stages after the first"),
+        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__", buffer_init,
+             expect="(self, ddp_config, param_dtype, grad_dtype, params_with_names, data_parallel_group, "
+                    "bucket_size, param_to_name, gradient_scaling_factor, param_indices, nccl_ub, pg_collection=None)",
+             megatron=">=0.17,<0.18",
              name="async ddp: the configured bucket size on pipeline stages after the first"),
+        wrap("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__", buffer_init,
+             expect="(self, ddp_config, param_dtype, grad_dtype, params_with_names, data_parallel_group, "
+                    "bucket_size, param_to_name, gradient_scaling_factor, param_indices, nccl_ub, pg_collection=None, "
+                    "param_layout=None)",
+             megatron=">=0.18", name="async ddp: the configured bucket size on pipeline stages after the first"),
         replace("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel._make_backward_post_hook",
                 make_backward_post_hook(settings, passes_force_all_reduce=True), expect="(self, param)",
                 megatron=">=0.16", name="async ddp: gradients arriving after their bucket was sent go aside"),

@@ -19,6 +19,7 @@ class FusedRopeSettings:
 
 
 def wrap_apply_rotary_pos_emb_bshd(original):
+    """megatron-core 0.15-0.18: ``(t, freqs, rotary_interleaved, multi_latent_attention, mscale)``."""
     from ascendspeed.ops.rotary import rotary_embedding
 
     @functools.wraps(original)
@@ -30,10 +31,29 @@ def wrap_apply_rotary_pos_emb_bshd(original):
     return _apply_rotary_pos_emb_bshd
 
 
+def wrap_apply_rotary_pos_emb_bshd_0_19(original):
+    """megatron-core 0.19 renamed the MLA switch ``mla_rotary_interleaved`` (keeping the old one, deprecated)."""
+    from ascendspeed.ops.rotary import rotary_embedding
+
+    @functools.wraps(original)
+    def _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+                                   multi_latent_attention=None):
+        if mla_rotary_interleaved or multi_latent_attention or mscale != 1.0 or t.dim() != 4:
+            return original(t, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, multi_latent_attention)
+        return rotary_embedding(t, freqs, interleaved=rotary_interleaved)
+
+    return _apply_rotary_pos_emb_bshd
+
+
 def patches(settings: FusedRopeSettings) -> list[Patch]:
     return [
         wrap("megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_bshd",
              wrap_apply_rotary_pos_emb_bshd,
              expect="(t, freqs, rotary_interleaved=False, multi_latent_attention=False, mscale=1.0)",
-             name="fused rotary embedding: every unfused RoPE path on the fused operator"),
+             megatron="<0.19", name="fused rotary embedding: every unfused RoPE path on the fused operator"),
+        wrap("megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_bshd",
+             wrap_apply_rotary_pos_emb_bshd_0_19,
+             expect="(t, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0, "
+                    "multi_latent_attention=None)",
+             megatron=">=0.19", name="fused rotary embedding: every unfused RoPE path on the fused operator"),
     ]

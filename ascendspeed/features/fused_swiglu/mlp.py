@@ -73,5 +73,9 @@ def patches() -> list[Patch]:
         wrap("megatron.core.transformer.mlp:MLP.__init__", wrap_mlp_init,
              expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
                     "tp_group=None)",
-             name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
+             megatron="<0.18", name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
+        wrap("megatron.core.transformer.mlp:MLP.__init__", wrap_mlp_init,
+             expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
+                    "tp_group=None, name=None)",
+             megatron=">=0.18", name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
     ]
