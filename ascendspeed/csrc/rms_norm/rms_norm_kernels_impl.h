@@ -131,7 +131,8 @@ void backward_rows(
         },
         cols);
     const Vec vr(r);
-    const Vec correction(r * r * r * dot / opmath_t(cols));
+    // r^3 * mean: in this order r^3 alone cannot underflow where the product does not.
+    const Vec correction(r * (r * (r * dot / opmath_t(cols))));
     for (int64_t i = 0; i < cols; i += B::kSize) {
       const int64_t count = std::min(B::kSize, cols - i);
       const auto g = B::load(gr + i, count);
