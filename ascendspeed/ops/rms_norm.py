@@ -52,8 +52,12 @@ def rms_norm_reference(
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
+# ``inputs`` holds the arguments as called: trailing ones a caller leaves at their defaults are absent.
+_DEFAULTS = (None, None, 1e-5, False)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, eps, zero_centered_gamma = (*inputs, 1e-5, False)[:4]
+    x, weight, eps, zero_centered_gamma = (*inputs, *_DEFAULTS[len(inputs):])
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, rstd, weight)

@@ -96,6 +96,17 @@ def test_weight_of_another_dtype_and_eps(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_operator_defaults_under_autograd():
+    """The operator called with eps and zero_centered_gamma left at their defaults differentiates alike."""
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    for args in [(), (1e-5,), (1e-5, False)]:
+        y, _ = torch.ops.ascendspeed.rms_norm(x, w, *args)
+        grads = torch.autograd.grad(y.sum(), (x, w))
+        expected = torch.autograd.grad(rms_norm_reference(x, w).sum(), (x, w))
+        for a, b in zip(grads, expected):
+            torch.testing.assert_close(a, b)
+
+
 def test_non_contiguous_inputs(dtype):
     base = draw((6, 40, 10), dtype)
     check_forward_backward(base.transpose(1, 2), draw((40,), dtype))  # normalized dim strided
