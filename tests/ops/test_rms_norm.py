@@ -95,7 +95,6 @@ def test_weight_of_another_dtype_and_eps(dtype):
         check_forward_backward(draw((6, 40), dtype, scale=1e15), draw((40,), dtype), 1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_operator_defaults_under_autograd():
     """The operator called with eps and zero_centered_gamma left at their defaults differentiates alike."""
     x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True)
@@ -107,6 +106,7 @@ def test_operator_defaults_under_autograd():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_non_contiguous_inputs(dtype):
     base = draw((6, 40, 10), dtype)
     check_forward_backward(base.transpose(1, 2), draw((40,), dtype))  # normalized dim strided
