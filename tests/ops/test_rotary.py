@@ -19,7 +19,7 @@ from ascendspeed.ops.rotary import (
     _composite_forward,
     rotary_embedding_reference,
 )
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float64: 2.0**-53}
@@ -166,7 +166,7 @@ def test_non_contiguous_inputs(dtype, interleaved):
 def _megatron_equality(rank, world_size):
     """In a real (one-process, gloo) Megatron parallel state: megatron-core's RotaryEmbedding makes the
     freqs, its unfused apply_rotary_pos_emb rotates; ours must agree to 1e-6 relative in fp32."""
-    from megatron_utils import initialize_parallel
+    from tests.helpers.megatron import initialize_parallel
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -133,8 +133,9 @@ def make_finish_grad_sync(settings: AsyncDDPSettings, release: BucketGroupReleas
 
 def make_reset(release: BucketGroupRelease):
     def reset(self):
-        """Prepare the group for the next step (an unfinished collective is completed first)."""
-        if self.grad_reduce_handle is not None:
+        """Prepare the group for the next step (an unfinished collective is completed first). megatron-core
+        0.15 calls this from the constructor, before the group has a ``grad_reduce_handle``."""
+        if getattr(self, "grad_reduce_handle", None) is not None:
             self.grad_reduce_handle.wait()
             self.grad_reduce_handle = None
         overlap_state(self).begin_step()

@@ -14,6 +14,7 @@ class LocalNormFeature(Feature[LocalNormSettings]):
         "normalization": "LayerNorm",
         "sequence_parallel": False,
         "transformer_impl": "local",
+        "apply_layernorm_1p": False,
     }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -22,12 +23,13 @@ class LocalNormFeature(Feature[LocalNormSettings]):
             "--use-fused-rmsnorm", action="store_true",
             help="With --normalization RMSNorm, compute every RMSNorm of the local layer spec with ascendspeed's "
             "fused operator (npu_rms_norm on NPU). Independently of this flag, the local spec's norms support "
-            "--sequence-parallel whenever ascendspeed is installed.",
+            "--sequence-parallel and --apply-layernorm-1p whenever ascendspeed is installed.",
         )
 
     def is_enabled(self, args: argparse.Namespace) -> bool:
         local = getattr(args, "transformer_impl", "local") == "local"
-        return bool(getattr(args, "use_fused_rmsnorm", False) or (local and getattr(args, "sequence_parallel", False)))
+        needs_local_norm = getattr(args, "sequence_parallel", False) or getattr(args, "apply_layernorm_1p", False)
+        return bool(getattr(args, "use_fused_rmsnorm", False) or (local and needs_local_norm))
 
     def validate(self, args: argparse.Namespace) -> None:
         if not getattr(args, "use_fused_rmsnorm", False):
