@@ -116,7 +116,15 @@ def _unshare_step_counters(optimizer) -> None:
 
 
 def _cause(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}".strip().rstrip(":")
+    """The error and the operating-system error under it: torch's writer reports a full disk as
+    "unexpected pos 704 vs 598" and keeps the ``OSError`` (ENOSPC, EFBIG) only as its context."""
+    text = f"{type(error).__name__}: {error}".strip().rstrip(":")
+    inner = error.__cause__ or error.__context__
+    while inner is not None and not isinstance(inner, OSError):
+        inner = inner.__cause__ or inner.__context__
+    if inner is not None and inner is not error:
+        text += f" (caused by {type(inner).__name__}: {inner.strerror or inner})"
+    return text
 
 
 def _free_space(path: Path) -> str:
@@ -314,6 +322,10 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
             what = "does not exist" if not Path(args.load).exists() else f"holds no checkpoint (no {TRACKER_FILE})"
             raise CheckpointError(f"--load {args.load} {what}: check the path, or pass --allow-fresh-start to "
                                   f"start from scratch when it holds none")
+        if iteration is not None and iteration > args.train_iters:
+            raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
+                              f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
+                              f"{iteration} to continue training")
         if iteration is not None:
             state = _read_rank_file(args, iteration)
             if not args.no_load_optim:

@@ -87,15 +87,14 @@ def check_text_suffices(splits: "TextSplits", args, data_parallel_size: int) -> 
     plan = EvalPlan.fit(len(windows), args.micro_batch_size, data_parallel_size,
                         args.pipeline_model_parallel_size if interleaved else 1)
     if len(splits.train) < need:
-        part = f"training part ({len(splits.train):,} bytes)"
+        part = f"its training part has {len(splits.train):,} bytes, fewer than one sequence ({need} bytes)"
     elif plan is None:
-        part = (f"validation part ({len(splits.valid):,} bytes, {len(windows)} window(s) of --seq-length "
-                f"{args.seq_length}; {data_parallel_size} data-parallel rank(s) need one each)")
+        part = (f"its validation part has {len(splits.valid):,} bytes: {len(windows)} sequence(s), while "
+                f"{data_parallel_size} data-parallel rank(s) need at least one each")
     else:
         return
-    raise DataError(f"{source} is too short: its {part} under --split {args.split} does not fill one sequence of "
-                    f"{need} bytes. Give more text, a smaller --seq-length, or a --split with a larger share for "
-                    f"that part")
+    raise DataError(f"{source} is too short for --seq-length {args.seq_length} and --split {args.split}: {part}. "
+                    f"Give more text, a smaller --seq-length, or a --split with a larger share for that part")
 
 
 def parse_split(split: str) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from ascendspeed.training.data import (
     read_text,
     train_microbatches,
 )
-from ascendspeed.training.errors import CheckpointError, DivergenceError, ResumeError
+from ascendspeed.training.errors import CheckpointError, DivergenceError
 from ascendspeed.training.initialize import initialize_parallel, teardown
 from ascendspeed.training.model import (
     build_config,
@@ -217,10 +217,6 @@ class Trainer:
         if not self.iteration:
             print_rank_0(f"no checkpoint in {args.load}: starting from scratch (--allow-fresh-start)")
             return
-        if self.iteration > args.train_iters:
-            raise ResumeError(f"--load {args.load} holds iteration {self.iteration}, past --train-iters "
-                              f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
-                              f"{self.iteration} to continue training")
         print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
         if self.iteration == args.train_iters:
             print_rank_0(f"the checkpoint already reached --train-iters {args.train_iters}: nothing to train, "
