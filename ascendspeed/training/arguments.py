@@ -226,13 +226,16 @@ NON_NEGATIVE = {
     "--eval-interval": "eval_interval",
 }
 
-#: Probabilities and fractions: flag -> (destination, low, high, whether high itself is allowed).
+_PROBABILITY = ("[0, 1)", lambda value: 0 <= value < 1)
+_SHARE = ("(0, 1]", lambda value: 0 < value <= 1)
+
+#: Probabilities and shares: flag -> (destination, interval, test).
 FRACTIONS = {
-    "--attention-dropout": ("attention_dropout", 0.0, 1.0, False),
-    "--hidden-dropout": ("hidden_dropout", 0.0, 1.0, False),
-    "--adam-beta1": ("adam_beta1", 0.0, 1.0, False),
-    "--adam-beta2": ("adam_beta2", 0.0, 1.0, False),
-    "--rotary-percent": ("rotary_percent", 0.0, 1.0, True),
+    "--attention-dropout": ("attention_dropout", *_PROBABILITY),
+    "--hidden-dropout": ("hidden_dropout", *_PROBABILITY),
+    "--adam-beta1": ("adam_beta1", *_PROBABILITY),
+    "--adam-beta2": ("adam_beta2", *_PROBABILITY),
+    "--rotary-percent": ("rotary_percent", *_SHARE),
 }
 
 
@@ -252,12 +255,9 @@ def check_ranges(args: argparse.Namespace) -> None:
             _require(value > 0, f"{flag} must be positive, got {value}")
         else:
             _require(value >= 0, f"{flag} must not be negative, got {value}")
-    for flag, (dest, low, high, high_allowed) in FRACTIONS.items():
+    for flag, (dest, interval, inside) in FRACTIONS.items():
         value = getattr(args, dest)
-        inside = low <= value < high or (high_allowed and value == high)
-        bracket = "]" if high_allowed else ")"
-        _require(inside and (flag != "--rotary-percent" or value > 0),
-                 f"{flag} must be in {'(' if flag == '--rotary-percent' else '['}{low}, {high}{bracket}, got {value}")
+        _require(inside(value), f"{flag} must be in {interval}, got {value}")
     _require(all(length > 0 for length in args.eval_seq_lengths or []), "--eval-seq-lengths must be positive")
     parse_split(args.split)
 

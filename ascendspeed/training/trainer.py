@@ -291,8 +291,8 @@ class Trainer:
 
     def _diverged(self, what: str) -> None:
         latest = checkpointing.latest_iteration(self.args.save) if self.args.save else None
-        resume = (f"resume from iteration {latest} (--load {self.args.save})" if latest
-                  else "restart")
+        resume = (f"resume from iteration {latest} (--load {self.args.save} --override-opt_param-scheduler)"
+                  if latest else "restart")
         raise DivergenceError(
             f"training diverged at {what}; stopped without saving a checkpoint of it. Lower --lr (now "
             f"{self.args.lr:g}) or raise --lr-warmup-iters, then {resume}; "
