@@ -355,8 +355,9 @@ def _finalize_model_shape(args: argparse.Namespace) -> None:
              f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if tp == 1:
         args.sequence_parallel = False
-    _require(not args.sequence_parallel or importlib.util.find_spec("apex") is not None,
-             "--sequence-parallel needs apex's fused LayerNorm: megatron-core's torch norms refuse it")
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: --seq-length "
+             f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
     if args.eval_seq_lengths is None:
         args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
