@@ -72,13 +72,19 @@ def wrap(target: str, wrapper_factory: Callable[[Any], Any], *, expect: Any, nam
     return Patch(target, PatchKind.WRAP, wrapper_factory, expect, name, sweep)
 
 
-def describe_signature(obj: Any) -> str:
+def describe_signature(obj: Any, annotations: bool = True) -> str:
     """The signature string patches compare against, or a description of why there is none."""
     function = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
     try:
-        return str(inspect.signature(function))
+        signature = inspect.signature(function)
     except (TypeError, ValueError):
         return f"<no signature: {type(function).__name__}>"
+    if not annotations:
+        signature = signature.replace(
+            parameters=[p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()],
+            return_annotation=inspect.Signature.empty,
+        )
+    return str(signature)
 
 
 def installed_version(distribution: str = "megatron-core") -> str:

@@ -1,0 +1,153 @@
+"""``--reuse-fp32-param`` for megatron-core's ``Float16OptimizerWithFloat16Params`` (bf16, not distributed).
+
+megatron-core keeps, beside every bf16 parameter, a separate fp32 copy (``main_param``) the inner
+optimizer updates, and casts it back into the parameter after each step: 2 + 4 bytes per parameter.
+Here each bf16 parameter is re-homed into one int32 buffer (``storage.ParameterUnit``): its first
+half is the parameter, its second half the remainders, and the whole buffer viewed as fp32 is the
+main weight the inner optimizer holds: 4 bytes per parameter, exactly the same updates.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core import tensor_parallel
+
+from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, ReuseState, main_layout
+from ascendspeed.patching import replace, wrap
+
+def reuse_state(optimizer):
+    """The ``ReuseState`` of a megatron optimizer built with the feature on, else None."""
+    return getattr(optimizer, "reuse_fp32_param", None)
+
+
+def _init(self, optimizer, config, grad_scaler, init_state_fn):
+    """Megatron's constructor with the fp32 main weights built as views of the re-homed parameters
+    (no fp32 copy is ever allocated)."""
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    if not config.bf16:
+        raise ValueError("--reuse-fp32-param needs bf16 training (--bf16); this optimizer is not bf16")
+    MixedPrecisionOptimizer.__init__(self, optimizer, config, grad_scaler, init_state_fn)
+    self.is_stub_optimizer = not optimizer
+    if not optimizer:
+        return
+    self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
+    units = []
+    for param_group in self.optimizer.param_groups:
+        float16_params, main_params, fp32_params = [], [], []
+        for index, param in enumerate(param_group["params"]):
+            if not param.requires_grad:
+                continue
+            if param.dtype == torch.bfloat16:
+                unit = ParameterUnit(param)
+                main_param = unit.main_param()
+                tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
+                if hasattr(param, "shared"):
+                    main_param.shared = param.shared
+                param_group["params"][index] = main_param
+                param.main_param = main_param
+                if param in self.optimizer.state:
+                    self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                float16_params.append(param)
+                main_params.append(main_param)
+                units.append(unit)
+            elif param.dtype == torch.float32:
+                fp32_params.append(param)
+            else:
+                raise TypeError(f"--reuse-fp32-param: parameters must be bf16 or fp32, got {param.dtype}")
+        self.float16_groups.append(float16_params)
+        self.fp32_from_float16_groups.append(main_params)
+        self.fp32_from_fp32_groups.append(fp32_params)
+    self.reuse_fp32_param = ReuseState(units)
+
+
+def wrap_step_with_ready_grads(original):
+    """``MixedPrecisionOptimizer.step_with_ready_grads``: the inner step runs on the laid-out fp32 main
+    weights; the wrapped ``_copy_main_params_to_model_params`` then splits them back (and on an
+    exception they are split back too, so the model never keeps the main layout)."""
+
+    @functools.wraps(original)
+    def step_with_ready_grads(self):
+        state = reuse_state(self)
+        if state is None or self.is_stub_optimizer:
+            return original(self)
+        with main_layout(state):
+            return original(self)
+
+    return step_with_ready_grads
+
+
+def wrap_copy_main_params_to_model_params(original):
+    """After the step: encode the main weights back into bf16 weights + remainders (this is the cast
+    Megatron does, rounding to nearest even) instead of copying into separate bf16 tensors."""
+
+    @functools.wraps(original)
+    def _copy_main_params_to_model_params(self):
+        state = reuse_state(self)
+        if state is None:
+            return original(self)
+        state.to_model_layout()
+
+    return _copy_main_params_to_model_params
+
+
+def wrap_copy_model_params_to_main_params(original):
+    """``reload_model_params``: the main weights become the bf16 weights exactly (remainders zero)."""
+
+    @functools.wraps(original)
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        state = reuse_state(self)
+        if state is None:
+            return original(self, state_dict)
+        if state_dict is not None:
+            raise NotImplementedError("--reuse-fp32-param: main weights cannot be initialised from a state dict")
+        state.reset_from_model()
+
+    return _copy_model_params_to_main_params
+
+
+def wrap_state_dict(original):
+    """Checkpoints hold plain fp32 main weights (exact copies), so they load with or without the flag."""
+
+    @functools.wraps(original)
+    def state_dict(self, is_loading=False):
+        result = original(self, is_loading)
+        state = reuse_state(self)
+        if state is not None:
+            units = iter(state.units)
+            result["fp32_from_fp16_params"] = [
+                [next(units).read().view(main.shape) for main in group] for group in self.fp32_from_float16_groups
+            ]
+        return result
+
+    return state_dict
+
+
+def wrap_load_state_dict(original):
+    """Loading writes the saved fp32 main weights while they are laid out, then splits them."""
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        with main_layout(reuse_state(self)):
+            return original(self, state_dict)
+
+    return load_state_dict
+
+
+def patches():
+    return [
+        replace("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__", _init,
+                expect="(self, optimizer, config, grad_scaler, init_state_fn)",
+                name="bf16 parameters re-homed with their fp32 main weights"),
+        wrap("megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.step_with_ready_grads",
+             wrap_step_with_ready_grads, expect="(self)"),
+        wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+             wrap_copy_main_params_to_model_params, expect="(self)"),
+        wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params._copy_model_params_to_main_params",
+             wrap_copy_model_params_to_main_params, expect="(self, state_dict=None)"),
+        wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.state_dict", wrap_state_dict,
+             expect="(self, is_loading=False)"),
+        wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.load_state_dict",
+             wrap_load_state_dict, expect="(self, state_dict)"),
+    ]
