@@ -18,7 +18,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ascendspeed.features import all_features, apply_features
-from ascendspeed.training import checkpointing
+from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
@@ -70,6 +70,8 @@ class TrainResult:
     num_parameters: int
     features: list[str]
     checkpoint: Optional[str] = None
+    memory_account: Optional[memory.MemoryAccount] = None
+    peak_resident_bytes: int = 0
 
 
 def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
@@ -179,6 +181,8 @@ class Trainer:
         self.model = build_model(args, self.config, device)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
+        self.memory = memory.account(self.model, self.optimizer)
+        print_rank_0(self.memory.line())
         _wire_schedule_hooks(args, self.config, self.model, self.optimizer)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(args, self.model, self.splits.valid, device)
@@ -279,6 +283,7 @@ class Trainer:
             validation.append((self.iteration, self.periodic_validation()))
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
+        print_rank_0(memory.peak_line())
         trained = self.iteration - start
         return TrainResult(
             start_iteration=start,
@@ -293,6 +298,8 @@ class Trainer:
             num_parameters=num_parameters,
             features=features,
             checkpoint=checkpoint,
+            memory_account=self.memory,
+            peak_resident_bytes=memory.peak_resident_bytes(),
         )
 
     def _print_header(self, num_parameters: int, features: list[str]) -> None:

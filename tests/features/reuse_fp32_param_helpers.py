@@ -45,6 +45,13 @@ def bits(tensors) -> torch.Tensor:
                       for t in tensors])
 
 
+def _shares_model_memory(chunks, optimizer) -> bool:
+    """Every main weight the inner optimizer updates lies in the storage of a model weight."""
+    model_storages = {p.untyped_storage().data_ptr() for chunk in chunks for p in chunk.parameters()}
+    mains = [p for part in optimizer_parts(optimizer) for g in part.optimizer.param_groups for p in g["params"]]
+    return bool(mains) and all(p.untyped_storage().data_ptr() in model_storages for p in mains)
+
+
 def train(distributed_optimizer: bool, reuse: bool, steps: int, shape: TinyGPT, lr: float = 1e-2):
     """Train ``steps`` Adam steps; returns losses and, per step, the bits of the main and model weights."""
     from ascendspeed.features import enable_features
@@ -59,6 +66,9 @@ def train(distributed_optimizer: bool, reuse: bool, steps: int, shape: TinyGPT, 
         config = shape.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
         chunks = wrap_ddp([build_gpt_model(config, shape)], use_distributed_optimizer=distributed_optimizer)
         optimizer = make_optimizer(chunks, lr=lr, weight_decay=0.1, clip_grad=1.0)
+        state = [getattr(part, "reuse_fp32_param", None) for part in optimizer_parts(optimizer)]
+        shared = reuse and all(s is not None for s in state) and _shares_model_memory(chunks, optimizer)
+        ties = 0
         losses, mains, models = [], [], []
         for step in range(steps):
             batch = data_parallel_slice(make_batch(shape, batch_size=8, seed=step))
@@ -66,7 +76,8 @@ def train(distributed_optimizer: bool, reuse: bool, steps: int, shape: TinyGPT, 
             losses.append(torch.stack(step_losses).double().mean().item())
             mains.append(bits(main_weights(optimizer)))
             models.append(bits(model_weights(chunks)))
-        return losses, mains, models
+            ties += sum(unit.ties.numel() for s in state if s is not None for unit in s.units)
+        return losses, mains, models, shared, ties
     finally:
         destroy_parallel()
         manager.revert()
@@ -80,5 +91,5 @@ def exactness_worker(rank, world_size, distributed_optimizer, steps):
     for name, index in (("main", 1), ("model", 2)):
         report[name] = [int((a != b).sum()) for a, b in zip(reference[index], reused[index], strict=True)]
     report["elements"] = int(reference[1][0].numel())
-    report["ties"] = None
+    report["shared"], report["ties"] = reused[3], reused[4]
     return report

@@ -63,6 +63,7 @@ def wrap_init(original):
         if construction.units:
             self.reuse_fp32_param = ReuseState(construction.units.values())
             self.reuse_fp32_param_pieces = construction.pieces
+            self.main_weight_tensors = self.reuse_fp32_param.storage_tensors
 
     return __init__
 

@@ -60,6 +60,7 @@ def _init(self, optimizer, config, grad_scaler, init_state_fn):
         self.fp32_from_float16_groups.append(main_params)
         self.fp32_from_fp32_groups.append(fp32_params)
     self.reuse_fp32_param = ReuseState(units)
+    self.main_weight_tensors = self.reuse_fp32_param.storage_tensors
 
 
 def wrap_step_with_ready_grads(original):
