@@ -160,11 +160,12 @@ def wrap_get_main_param_and_optimizer_states(original):
 
 
 def wrap_loader(original):
-    """Checkpoint loaders write the main weights while they are laid out, then split them."""
+    """Checkpoint loaders write the main weights while they are laid out, then split them; the other
+    ranks' bf16 weights the layout displaced are put back (no all-gather follows a load)."""
 
     @functools.wraps(original)
     def load(self, *args, **kwargs):
-        with main_layout(reuse_state(self)):
+        with main_layout(reuse_state(self), preserve_model=True):
             return original(self, *args, **kwargs)
 
     return load

@@ -50,7 +50,9 @@ class Unit:
     def main(self) -> torch.Tensor:
         return self.main_pairs().view(torch.float32).view(-1)
 
-    def to_main_layout(self) -> None:
+    def to_main_layout(self, preserve_model: bool = False) -> None:
+        """Decode into the main region. ``preserve_model``: keep model weights the region displaces
+        that encoding will not rewrite (only units that displace any do something with it)."""
         high, low = self._decode_sources()
         codec.decode(high, low, self.ties, self.main_pairs())
 
@@ -137,6 +139,7 @@ class BucketShardUnit(Unit):
         self.start = rank * self.numel
         self.remainders = remainders
         self.ties = torch.empty(0, dtype=torch.int64, device=param_data.device)
+        self.displaced: Optional[torch.Tensor] = None
 
     def high(self):
         return self.param_data.view(torch.int16)[self.start: self.start + self.numel]
@@ -150,6 +153,22 @@ class BucketShardUnit(Unit):
     def _decode_sources(self):
         return self.high().clone(), self.low()
 
+    def to_main_layout(self, preserve_model: bool = False) -> None:
+        """With ``preserve_model`` the other ranks' bf16 weights the main region displaces are kept and
+        put back by ``to_model_layout`` (checkpoint loading: no all-gather follows it)."""
+        self.displaced = self.main_pairs().clone() if preserve_model else None
+        super().to_main_layout()
+
+    def to_model_layout(self) -> None:
+        super().to_model_layout()
+        if self.displaced is not None:
+            halves, displaced = self.param_data.view(torch.int16), self.displaced.view(-1)
+            halves[: self.start].copy_(displaced[: self.start])
+            end = self.start + self.numel
+            if end < displaced.numel():
+                halves[end: displaced.numel()].copy_(displaced[end:])
+            self.displaced = None
+
     def storage_tensors(self):
         return [self.remainders, self.ties]
 
@@ -162,11 +181,11 @@ class ReuseState:
         self.in_main_layout = False
         self.depth = 0
 
-    def to_main_layout(self) -> None:
+    def to_main_layout(self, preserve_model: bool = False) -> None:
         if self.in_main_layout:
             return
         for unit in self.units:
-            unit.to_main_layout()
+            unit.to_main_layout(preserve_model)
         self.in_main_layout = True
 
     def to_model_layout(self) -> None:
@@ -190,18 +209,20 @@ class ReuseState:
 
 
 class main_layout:
-    """``with main_layout(state):`` the fp32 main weights are laid out (and the bf16 ones are not).
+    """``with main_layout(state):`` the fp32 main weights are laid out (and the bf16 ones are not);
+    ``preserve_model=True`` when no all-gather follows (checkpoint loading) keeps every model weight.
 
     Re-entrant: only the outermost block switches layouts, so a loader that calls another wrapped
     loader keeps the main layout until it is done."""
 
-    def __init__(self, state: Optional[ReuseState]):
+    def __init__(self, state: Optional[ReuseState], preserve_model: bool = False):
         self.state = state
+        self.preserve_model = preserve_model
 
     def __enter__(self):
         if self.state is not None:
             if self.state.depth == 0:
-                self.state.to_main_layout()
+                self.state.to_main_layout(self.preserve_model)
             self.state.depth += 1
         return self.state
 
