@@ -33,7 +33,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "128",
-         "--micro-batch-size", "2", "--bf16", "--log-interval", "1000", "--eval-interval", "0",
+         "--micro-batch-size", "2", "--global-batch-size", "32", "--bf16", "--log-interval", "1000", "--eval-interval", "0",
          "--eval-iters", "1", "--eval-seq-lengths", "128", "--lr-warmup-iters", "2"]
 
 
@@ -150,7 +150,7 @@ def machine() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per setting")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per setting")
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--json", default=None)
     options = parser.parse_args()

@@ -181,8 +181,7 @@ class Trainer:
         self.model = build_model(args, self.config, device)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
-        self.memory = memory.account(self.model, self.optimizer)
-        print_rank_0(self.memory.line())
+        self.memory: Optional[memory.MemoryAccount] = None  # measured after the first step (see run)
         _wire_schedule_hooks(args, self.config, self.model, self.optimizer)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(args, self.model, self.splits.valid, device)
@@ -268,6 +267,9 @@ class Trainer:
         while self.iteration < args.train_iters:
             learning_rates.append(self.learning_rate())
             loss, grad_norm, updated = self.train_step()
+            if self.memory is None:  # torch allocates the optimizer state in the first step
+                self.memory = memory.account(self.model, self.optimizer)
+                print_rank_0(self.memory.line())
             losses.append(loss)
             log.record(loss, skipped=not updated)
             done = self.iteration == args.train_iters

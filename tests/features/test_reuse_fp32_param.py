@@ -185,4 +185,4 @@ def test_checkpoints_resume_the_same_trajectory_across_the_flag(tmp_path, extra)
         if extra:
             assert saved == pytest.approx(2 / 2, rel=0.05), "2/DP bytes per parameter with the distributed optimizer"
         else:
-            assert saved == pytest.approx(2.0, abs=1e-9), "2 bytes per parameter"
+            assert saved == pytest.approx(2.0, abs=0.01), "2 bytes per parameter (less 8 per kept tie)"

@@ -36,19 +36,23 @@ def encode(main: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     high = main.to(torch.bfloat16).view(torch.int16)
     halves = main.view(torch.int16).view(-1, 2)
     low = halves[:, 0].clone()
-    ties = torch.nonzero((low == TIE) & (halves[:, 1] == high)).flatten()
+    candidates = torch.nonzero(low == TIE).flatten()  # exact ties: rare, so test their rounding sparsely
+    ties = candidates[halves[candidates, 1] == high[candidates]]
     return high, low, ties
 
 
 def decode(high: torch.Tensor, low: torch.Tensor, ties: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the fp32 values ``(high, low, ties)`` stand for into ``out``, int16 pairs of shape ``[n, 2]``.
 
-    ``out`` must not share memory with ``high`` or ``low``. Returns ``out``.
+    The fp32 bits are ``(high << 16) + low`` with ``low`` read as a signed number: a negative ``low``
+    (above 0x8000) borrows the one the rounding added. A tie that rounded down has ``low == -0x8000``
+    but borrowed nothing: it gets 0x10000 back. ``out`` must not share memory with ``high`` or ``low``.
+    Returns ``out``.
     """
-    rounded_up = low < 0  # low half above 0x8000, or the tie 0x8000 ...
+    bits = out.view(torch.int32).view(-1)
+    torch.add(torch.bitwise_left_shift(high.to(torch.int32), 16), low, out=bits)
     if ties.numel():
-        rounded_up[ties] = False  # ... unless that tie rounded down
-    torch.stack((low, high - rounded_up.to(torch.int16)), dim=1, out=out)
+        bits[ties] += 1 << 16
     return out
 
 
