@@ -68,13 +68,13 @@ def main(path: str) -> None:
                   fontsize=10)
 
     param = torch.nn.Parameter(values.to(torch.bfloat16))
-    unit = ParameterUnit(param)
+    unit = ParameterUnit([param])
     unit.write(values)
     halves = unit.buffer.view(torch.int16)
     n = unit.numel
     model_layout = [f"w{i} bf16" for i in range(n)] + [f"w{i} rem" for i in range(n)]
     unit.to_main_layout()
-    assert torch.equal(unit.main_param().view(torch.int32), values.view(torch.int32))
+    assert torch.equal(unit.main_params()[0].view(torch.int32), values.view(torch.int32))
     main_layout = [f"w{i // 2} {'low' if i % 2 == 0 else 'high'}" for i in range(2 * n)]
     unit.to_model_layout()
     assert torch.equal(halves[:n], high)

@@ -77,7 +77,7 @@ def test_piecewise_read_and_write_keep_ties_of_other_pieces():
     values = torch.randint(0, 1 << 32, (4096,), generator=generator).to(torch.int32)
     values[::7] = (values[::7] & ~0x1FFFF) | 0x8000  # ties that round down (even upper half)
     param = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.bfloat16))
-    unit = ParameterUnit(param)
+    unit = ParameterUnit([param])
     finite = values.view(torch.float32).isfinite()
     values[~finite] = 0
     unit.write(values.view(torch.float32)[:3000])
@@ -85,11 +85,35 @@ def test_piecewise_read_and_write_keep_ties_of_other_pieces():
     assert torch.equal(unit.read().view(torch.int32), values)
     assert torch.equal(unit.read(1000, 3500).view(torch.int32), values[1000:3500])
     assert torch.equal(param.detach().reshape(-1).view(torch.int16), values.view(torch.float32).to(torch.bfloat16).view(torch.int16))
-    assert param.untyped_storage().data_ptr() == unit.main_param().untyped_storage().data_ptr()
+    assert param.untyped_storage().data_ptr() == unit.main_params()[0].untyped_storage().data_ptr()
     unit.to_main_layout()
-    assert torch.equal(unit.main_param().reshape(-1).view(torch.int32), values)
+    assert torch.equal(unit.main_params()[0].reshape(-1).view(torch.int32), values)
     unit.to_model_layout()
     assert torch.equal(unit.read().view(torch.int32), values)
+
+
+def test_grouped_parameters_share_one_buffer_and_read_back_exactly():
+    from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, group_parameters
+
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(torch.bfloat16))
+              for shape in ((3, 5), (7,), (4, 4), (1,))]
+    expected = [p.detach().clone() for p in params]
+    groups = group_parameters(params, max_elements=22)
+    assert [len(g) for g in groups] == [2, 2]
+    unit = ParameterUnit(groups[0])
+    assert params[0].untyped_storage().data_ptr() == params[1].untyped_storage().data_ptr()
+    for param, main, before in zip(groups[0], unit.main_params(), expected):
+        assert torch.equal(param.detach(), before)
+    unit.to_main_layout()
+    for main, before in zip(unit.main_params(), expected):
+        assert torch.equal(main, before.float())
+        main.add_(torch.randn(main.shape, generator=generator))
+    updated = [main.clone() for main in unit.main_params()]
+    unit.to_model_layout()
+    for param, (start, end), value in zip(groups[0], unit.ranges(), updated):
+        assert torch.equal(param.detach(), value.to(torch.bfloat16))
+        assert torch.equal(unit.read(start, end).view(value.shape), value)
 
 
 def _args(**settings) -> argparse.Namespace:

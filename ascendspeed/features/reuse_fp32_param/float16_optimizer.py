@@ -13,12 +13,17 @@ import functools
 import torch
 from megatron.core import tensor_parallel
 
-from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, ReuseState, main_layout
+from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, ReuseState, group_parameters, main_layout
 from ascendspeed.patching import replace, wrap
 
 def reuse_state(optimizer):
     """The ``ReuseState`` of a megatron optimizer built with the feature on, else None."""
     return getattr(optimizer, "reuse_fp32_param", None)
+
+
+#: Elements per shared buffer: small parameters are grouped (fewer, larger layout switches); the transient
+#: memory of a switch is 4 bytes per element of the largest group (64 MiB) or of the largest parameter.
+GROUP_ELEMENTS = 1 << 24
 
 
 def _init(self, optimizer, config, grad_scaler, init_state_fn):
@@ -33,33 +38,34 @@ def _init(self, optimizer, config, grad_scaler, init_state_fn):
     if not optimizer:
         return
     self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups = [], [], []
-    units = []
+    units, pieces = [], {}
     for param_group in self.optimizer.param_groups:
-        float16_params, main_params, fp32_params = [], [], []
-        for index, param in enumerate(param_group["params"]):
-            if not param.requires_grad:
-                continue
-            if param.dtype == torch.bfloat16:
-                unit = ParameterUnit(param)
-                main_param = unit.main_param()
-                tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
-                if hasattr(param, "shared"):
-                    main_param.shared = param.shared
-                param_group["params"][index] = main_param
-                param.main_param = main_param
-                if param in self.optimizer.state:
-                    self.optimizer.state[main_param] = self.optimizer.state.pop(param)
-                float16_params.append(param)
-                main_params.append(main_param)
-                units.append(unit)
-            elif param.dtype == torch.float32:
-                fp32_params.append(param)
-            else:
+        trained = [(index, param) for index, param in enumerate(param_group["params"]) if param.requires_grad]
+        for _, param in trained:
+            if param.dtype not in (torch.bfloat16, torch.float32):
                 raise TypeError(f"--reuse-fp32-param: parameters must be bf16 or fp32, got {param.dtype}")
-        self.float16_groups.append(float16_params)
-        self.fp32_from_float16_groups.append(main_params)
-        self.fp32_from_fp32_groups.append(fp32_params)
+        bf16 = [(index, param) for index, param in trained if param.dtype == torch.bfloat16]
+        main_of = {}
+        for group in group_parameters([param for _, param in bf16], GROUP_ELEMENTS):
+            unit = ParameterUnit(group)
+            units.append(unit)
+            for param, main_param, (start, end) in zip(group, unit.main_params(), unit.ranges()):
+                main_of[id(param)] = main_param
+                pieces[main_param] = (unit, start, end)
+        for index, param in bf16:
+            main_param = main_of[id(param)]
+            tensor_parallel.copy_tensor_model_parallel_attributes(main_param, param)
+            if hasattr(param, "shared"):
+                main_param.shared = param.shared
+            param_group["params"][index] = main_param
+            param.main_param = main_param
+            if param in self.optimizer.state:
+                self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+        self.float16_groups.append([param for _, param in bf16])
+        self.fp32_from_float16_groups.append([main_of[id(param)] for _, param in bf16])
+        self.fp32_from_fp32_groups.append([param for _, param in trained if param.dtype == torch.float32])
     self.reuse_fp32_param = ReuseState(units)
+    self.reuse_fp32_param_pieces = pieces
     self.main_weight_tensors = self.reuse_fp32_param.storage_tensors
 
 
@@ -115,14 +121,19 @@ def wrap_state_dict(original):
     def state_dict(self, is_loading=False):
         result = original(self, is_loading)
         state = reuse_state(self)
-        if state is not None:
-            units = iter(state.units)
+        if state is not None and not state.in_main_layout:
+            pieces = self.reuse_fp32_param_pieces
             result["fp32_from_fp16_params"] = [
-                [next(units).read().view(main.shape) for main in group] for group in self.fp32_from_float16_groups
+                [_read(pieces[main]).view(main.shape) for main in group] for group in self.fp32_from_float16_groups
             ]
         return result
 
     return state_dict
+
+
+def _read(piece):
+    unit, start, end = piece
+    return unit.read(start, end)
 
 
 def wrap_load_state_dict(original):

@@ -88,19 +88,26 @@ class Unit:
 
 
 class ParameterUnit(Unit):
-    """One bf16 parameter re-homed into an int32 buffer: ``[bf16 weights | remainders]``."""
+    """bf16 parameters re-homed into one int32 buffer: ``[bf16 weights | remainders]`` between steps,
+    their fp32 main weights one after the other during the step. Grouping small parameters saves
+    per-tensor work; the size of a group bounds the transient memory of a layout switch."""
 
-    def __init__(self, param: torch.nn.Parameter):
-        if param.dtype != torch.bfloat16:
-            raise TypeError(f"--reuse-fp32-param shares memory only with bf16 weights, got {param.dtype}")
-        self.numel = param.numel()
-        self.shape = param.shape
-        self.buffer = torch.zeros(self.numel, dtype=torch.int32, device=param.device)
+    def __init__(self, params: list[torch.nn.Parameter]):
+        for param in params:
+            if param.dtype != torch.bfloat16:
+                raise TypeError(f"--reuse-fp32-param shares memory only with bf16 weights, got {param.dtype}")
+        self.offsets = [0]
+        for param in params:
+            self.offsets.append(self.offsets[-1] + param.numel())
+        self.numel = self.offsets[-1]
+        self.buffer = torch.zeros(self.numel, dtype=torch.int32, device=params[0].device)
         halves = self.buffer.view(torch.int16)
-        halves[: self.numel].copy_(param.detach().reshape(-1).view(torch.int16))
+        self.shapes = [param.shape for param in params]
         with torch.no_grad():
-            param.data = halves[: self.numel].view(torch.bfloat16).view(self.shape)
-        self.ties = torch.empty(0, dtype=torch.int64, device=param.device)
+            for param, start, end in zip(params, self.offsets, self.offsets[1:]):
+                halves[start:end].copy_(param.detach().reshape(-1).view(torch.int16))
+                param.data = halves[start:end].view(torch.bfloat16).view(param.shape)
+        self.ties = torch.empty(0, dtype=torch.int64, device=params[0].device)
 
     def high(self):
         return self.buffer.view(torch.int16)[: self.numel]
@@ -114,9 +121,27 @@ class ParameterUnit(Unit):
     def _decode_sources(self):
         return self.high().clone(), self.low().clone()
 
-    def main_param(self) -> torch.Tensor:
-        """The fp32 main weight the optimizer updates: the whole buffer viewed as fp32."""
-        return self.buffer.view(torch.float32).view(self.shape)
+    def main_params(self) -> list[torch.Tensor]:
+        """The fp32 main weights the optimizer updates: views of the buffer as fp32, one per parameter."""
+        main = self.buffer.view(torch.float32)
+        return [main[start:end].view(shape) for start, end, shape in zip(self.offsets, self.offsets[1:], self.shapes)]
+
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self.offsets, self.offsets[1:]))
+
+
+def group_parameters(params: list[torch.nn.Parameter], max_elements: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive groups of ``params`` of at most ``max_elements`` elements (a larger one is alone)."""
+    groups, current, size = [], [], 0
+    for param in params:
+        if current and size + param.numel() > max_elements:
+            groups.append(current)
+            current, size = [], 0
+        current.append(param)
+        size += param.numel()
+    if current:
+        groups.append(current)
+    return groups
 
 
 class BucketShardUnit(Unit):
