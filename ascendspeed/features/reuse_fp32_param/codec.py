@@ -46,8 +46,8 @@ def decode(high: torch.Tensor, low: torch.Tensor, ties: torch.Tensor, out: torch
 
     The fp32 bits are ``(high << 16) + low`` with ``low`` read as a signed number: a negative ``low``
     (above 0x8000) borrows the one the rounding added. A tie that rounded down has ``low == -0x8000``
-    but borrowed nothing: it gets 0x10000 back. ``out`` must not share memory with ``high`` or ``low``.
-    Returns ``out``.
+    but borrowed nothing: it gets 0x10000 back. ``out`` may share memory with ``high`` (it is widened
+    into a new tensor first) but not with ``low``. Returns ``out``.
     """
     bits = out.view(torch.int32).view(-1)
     torch.add(torch.bitwise_left_shift(high.to(torch.int32), 16), low, out=bits)

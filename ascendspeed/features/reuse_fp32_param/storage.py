@@ -44,7 +44,7 @@ class Unit:
         raise NotImplementedError
 
     def _decode_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(high, low)`` safe to read while the main region is written."""
+        """``(high, low)`` for ``codec.decode`` into the main region (``low`` must not overlap it)."""
         raise NotImplementedError
 
     def main(self) -> torch.Tensor:
@@ -119,7 +119,7 @@ class ParameterUnit(Unit):
         return self.buffer.view(torch.int16).view(self.numel, 2)
 
     def _decode_sources(self):
-        return self.high().clone(), self.low().clone()
+        return self.high(), self.low().clone()
 
     def main_params(self) -> list[torch.Tensor]:
         """The fp32 main weights the optimizer updates: views of the buffer as fp32, one per parameter."""
@@ -176,7 +176,7 @@ class BucketShardUnit(Unit):
         return self.param_data.view(torch.int16)[: 2 * self.numel].view(self.numel, 2)
 
     def _decode_sources(self):
-        return self.high().clone(), self.low()
+        return self.high(), self.low()
 
     def to_main_layout(self, preserve_model: bool = False) -> None:
         """With ``preserve_model`` the other ranks' bf16 weights the main region displaces are kept and
