@@ -50,7 +50,7 @@ def decode(high: torch.Tensor, low: torch.Tensor, ties: torch.Tensor, out: torch
     into a new tensor first) but not with ``low``. Returns ``out``.
     """
     bits = out.view(torch.int32).view(-1)
-    torch.add(torch.bitwise_left_shift(high.to(torch.int32), 16), low, out=bits)
+    torch.add(high.to(torch.int32).bitwise_left_shift_(16), low, out=bits)
     if ties.numel():
         bits[ties] += 1 << 16
     return out
