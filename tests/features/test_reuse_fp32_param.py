@@ -70,8 +70,12 @@ def test_split_is_exact_for_every_fp32_pattern():
         assert torch.equal(high.to(torch.int64)[~nan] & 0xFFFF, _rne_high(bits)[~nan]), hex(first)
 
 
-def test_piecewise_read_and_write_keep_ties_of_other_pieces():
+@pytest.mark.parametrize("chunk", [1 << 20, 7, 1000])
+def test_piecewise_read_and_write_keep_ties_of_other_pieces(monkeypatch, chunk):
+    from ascendspeed.features.reuse_fp32_param import storage
     from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit
+
+    monkeypatch.setattr(storage, "CHUNK_ELEMENTS", chunk)  # layout switches in several chunks
 
     generator = torch.Generator().manual_seed(1)
     values = torch.randint(0, 1 << 32, (4096,), generator=generator).to(torch.int32)
@@ -92,8 +96,12 @@ def test_piecewise_read_and_write_keep_ties_of_other_pieces():
     assert torch.equal(unit.read().view(torch.int32), values)
 
 
-def test_grouped_parameters_share_one_buffer_and_read_back_exactly():
+@pytest.mark.parametrize("chunk", [1 << 20, 3])
+def test_grouped_parameters_share_one_buffer_and_read_back_exactly(monkeypatch, chunk):
+    from ascendspeed.features.reuse_fp32_param import storage
     from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, group_parameters
+
+    monkeypatch.setattr(storage, "CHUNK_ELEMENTS", chunk)
 
     generator = torch.Generator().manual_seed(2)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(torch.bfloat16))

@@ -87,6 +87,10 @@ class Unit:
         return [self.ties]
 
 
+#: Elements a layout switch of a ``ParameterUnit`` converts at a time (its transient working memory).
+CHUNK_ELEMENTS = 1 << 20
+
+
 class ParameterUnit(Unit):
     """bf16 parameters re-homed into one int32 buffer: ``[bf16 weights | remainders]`` between steps,
     their fp32 main weights one after the other during the step. Grouping small parameters saves
@@ -118,8 +122,30 @@ class ParameterUnit(Unit):
     def main_pairs(self):
         return self.buffer.view(torch.int16).view(self.numel, 2)
 
-    def _decode_sources(self):
-        return self.high(), self.low().clone()
+    def to_main_layout(self, preserve_model: bool = False) -> None:
+        """Decode chunk by chunk, last chunk first: a chunk's bf16 halves (slots ``[a, b)``) lie below the
+        slots its fp32 values take (``[2a, 2b)``), so no chunk overwrites halves still to be read. Only
+        the remainders, which the fp32 values cover, are copied first: 2 bytes per element of transient."""
+        low = self.low().clone()
+        high = self.high()
+        for start in reversed(range(0, self.numel, CHUNK_ELEMENTS)):
+            end = min(start + CHUNK_ELEMENTS, self.numel)
+            codec.decode(high[start:end], low[start:end], codec.ties_in_range(self.ties, start, end),
+                         self.buffer[start:end].view(torch.int16).view(-1, 2))
+
+    def to_model_layout(self) -> None:
+        """Encode chunk by chunk, first chunk first: a chunk's bf16 halves go to slots whose fp32 values
+        have been read already; the remainders wait in a 2-byte-per-element buffer until all are read."""
+        lows = torch.empty_like(self.low())
+        high_slots, ties = self.high(), []
+        for start in range(0, self.numel, CHUNK_ELEMENTS):
+            end = min(start + CHUNK_ELEMENTS, self.numel)
+            high, low, chunk_ties = codec.encode(self.buffer[start:end].view(torch.float32))
+            lows[start:end].copy_(low)
+            high_slots[start:end].copy_(high)
+            ties.append(chunk_ties + start)
+        self.low().copy_(lows)
+        self.ties = torch.cat(ties)
 
     def main_params(self) -> list[torch.Tensor]:
         """The fp32 main weights the optimizer updates: views of the buffer as fp32, one per parameter."""
