@@ -2,9 +2,10 @@
 
 megatron-core keeps, beside every bf16 parameter, a separate fp32 copy (``main_param``) the inner
 optimizer updates, and casts it back into the parameter after each step: 2 + 4 bytes per parameter.
-Here each bf16 parameter is re-homed into one int32 buffer (``storage.ParameterUnit``): its first
-half is the parameter, its second half the remainders, and the whole buffer viewed as fp32 is the
-main weight the inner optimizer holds: 4 bytes per parameter, exactly the same updates.
+Here the bf16 parameters are re-homed into int32 buffers (``storage.ParameterUnit``, small ones grouped):
+a buffer's first half holds the parameters, its second half their remainders, and the whole buffer
+viewed as fp32 holds the main weights the inner optimizer updates: 4 bytes per parameter, exactly the
+same updates.
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from megatron.core import tensor_parallel
 from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, ReuseState, group_parameters, main_layout
 from ascendspeed.patching import replace, wrap
 
+
 def reuse_state(optimizer):
     """The ``ReuseState`` of a megatron optimizer built with the feature on, else None."""
     return getattr(optimizer, "reuse_fp32_param", None)
 
 
-#: Elements per shared buffer: small parameters are grouped (fewer, larger layout switches); the transient
-#: memory of a switch is 4 bytes per element of the largest group (64 MiB) or of the largest parameter.
+#: Elements per shared buffer: small parameters are grouped (fewer, larger layout switches); a switch
+#: needs 2 bytes per element of its buffer as transient memory (32 MiB here, or the largest parameter's).
 GROUP_ELEMENTS = 1 << 24
 
 
