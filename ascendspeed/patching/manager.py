@@ -246,7 +246,7 @@ class PatchManager:
         original = vars(owner)[attribute] if is_class and owned else getattr(owner, attribute)
         if patch.expect is not EXISTS:
             found = describe_signature(original)
-            if found != patch.expect:
+            if patch.expect not in (found, describe_signature(original, annotations=False)):
                 raise self._error(entry, f"signature {patch.expect}", f"signature {found}")
         return _Target(
             target=patch.target,
