@@ -3,4 +3,5 @@ FEATURE_MODULES = (
     "ascendspeed.features.async_ddp",
     "ascendspeed.features.alibi",
     "ascendspeed.features.fused_swiglu",
+    "ascendspeed.features.context_parallel",
 )

@@ -43,7 +43,6 @@ SIGNATURES = {
 
 #: Flag values ALiBi cannot run with yet: (dest, flag, default, why).
 _UNSUPPORTED = (
-    ("context_parallel_size", "--context-parallel-size", 1, "context parallelism is not supported yet"),
     ("transformer_impl", "--transformer-impl", "local",
      "Transformer Engine attention is not supported yet; use --transformer-impl local"),
     ("sft", "--sft", False, "packed sequences are not supported yet"),

@@ -9,12 +9,19 @@ context-parallel group, whose tokens follow the balanced layout of ``layout.py``
 
 See ``docs/features/context-parallel.md``.
 """
+from ascendspeed.features.context_parallel.feature import ContextParallelFeature
 from ascendspeed.features.context_parallel.hybrid import HybridGroups, build_hybrid_groups, hybrid_attention
 from ascendspeed.features.context_parallel.ring import ring_attention
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
+from ascendspeed.features.context_parallel.settings import ContextParallelSettings
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 
+FEATURE = ContextParallelFeature()
+
 __all__ = [
+    "FEATURE",
+    "ContextParallelFeature",
+    "ContextParallelSettings",
     "HybridGroups",
     "RingTelemetry",
     "build_hybrid_groups",

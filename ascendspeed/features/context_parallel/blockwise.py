@@ -13,7 +13,7 @@ Scores and accumulators are fp32 (float64 for float64 inputs). What can hide a k
   dimension is indexed by the keys' absolute positions (Megatron's ``attention_mask`` rows);
 
 and ALiBi adds ``-m_h * (q_pos - k_pos)`` (causal) or ``-m_h * |q_pos - k_pos|`` (otherwise) to the
-scaled scores, as ``ascendspeed.ops.alibi`` does on a single device.
+scaled scores, as ``ascendspeed.ops.alibi`` does on a single device (``ScoreRule.symmetric_alibi``).
 """
 from __future__ import annotations
 
@@ -25,11 +25,20 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class ScoreRule:
-    """How scores are formed: softmax scale, causal masking, ALiBi slopes of the heads at hand."""
+    """How scores are formed: softmax scale, causal masking, ALiBi slopes of the heads at hand.
+
+    ``symmetric_alibi``: the ALiBi distance is ``|q_pos - k_pos|`` (None: when not ``causal``), as
+    Megatron's local path does for a layer whose mask type is not causal.
+    """
 
     scale: float
     causal: bool = True
     slopes: Optional[torch.Tensor] = None
+    symmetric_alibi: Optional[bool] = None
+
+    @property
+    def alibi_distance_is_absolute(self) -> bool:
+        return (not self.causal) if self.symmetric_alibi is None else self.symmetric_alibi
 
     def with_slopes(self, slopes: Optional[torch.Tensor]) -> "ScoreRule":
         return dataclasses.replace(self, slopes=slopes)
@@ -52,7 +61,7 @@ def block_scores(q, k, q_pos, k_pos, rule: ScoreRule, mask: Optional[torch.Tenso
     if rule.slopes is not None or needs_causal_mask:
         distance = (q_pos[:, None] - k_pos[None, :]).to(q.device)
     if rule.slopes is not None:
-        gap = distance.to(acc) if rule.causal else distance.abs().to(acc)
+        gap = distance.abs().to(acc) if rule.alibi_distance_is_absolute else distance.to(acc)
         scores.sub_(rule.slopes.to(device=q.device, dtype=acc)[:, None, None] * gap)
     hidden = distance < 0 if needs_causal_mask else None
     if mask is not None:

@@ -63,6 +63,7 @@ def hybrid_attention(
     causal: bool = True,
     scale: Optional[float] = None,
     slopes: Optional[torch.Tensor] = None,
+    symmetric_alibi: Optional[bool] = None,
     mask: Optional[torch.Tensor] = None,
     telemetry: Optional[RingTelemetry] = None,
 ) -> torch.Tensor:
@@ -77,7 +78,8 @@ def hybrid_attention(
 
     def ring_core(q, k, v, gathered_positions, head_slopes, mask_rows):
         return ring_attention(q, k, v, ring_positions, group=groups.ring, causal=causal, scale=scale,
-                              slopes=head_slopes, mask=mask_rows, telemetry=telemetry)
+                              slopes=head_slopes, symmetric_alibi=symmetric_alibi, mask=mask_rows,
+                              telemetry=telemetry)
 
     return ulysses_attention(q, k, v, ulysses_positions, group=groups.ulysses, core=ring_core, slopes=slopes,
                              mask=mask)

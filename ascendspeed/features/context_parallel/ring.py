@@ -213,6 +213,7 @@ def ring_attention(
     causal: bool = True,
     scale: Optional[float] = None,
     slopes: Optional[torch.Tensor] = None,
+    symmetric_alibi: Optional[bool] = None,
     mask: Optional[torch.Tensor] = None,
     telemetry: Optional[RingTelemetry] = None,
 ) -> torch.Tensor:
@@ -220,7 +221,8 @@ def ring_attention(
 
     ``q``, ``k``, ``v``: [batch, heads, local sequence, head dim], the same heads on every rank.
     ``positions[j]``: the absolute positions (int64, ascending) of the tokens member ``j`` of the group holds.
-    ``slopes``: ALiBi slopes of the heads (None: no ALiBi). ``mask``: bool [b or 1, heads or 1, local
+    ``slopes``: ALiBi slopes of the heads (None: no ALiBi); ``symmetric_alibi``: distance ``|q - k|``
+    (default: when not ``causal``). ``mask``: bool [b or 1, heads or 1, local
     sequence, S], True where a query must not see a key, columns indexed by absolute key position.
     ``group`` None: a single process (no communication), the reference path.
     """
@@ -236,7 +238,8 @@ def ring_attention(
         )
     if causal and any(bool((p[1:] < p[:-1]).any()) for p in ring.positions):
         raise ValueError("causal ring attention needs each member's positions in ascending order")
-    rule = ScoreRule(scale=q.size(-1) ** -0.5 if scale is None else scale, causal=causal, slopes=slopes)
+    rule = ScoreRule(scale=q.size(-1) ** -0.5 if scale is None else scale, causal=causal, slopes=slopes,
+                     symmetric_alibi=symmetric_alibi)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool (True = hidden), got {mask.dtype}")
     return RingAttention.apply(q, k, v, mask, ring, rule)

@@ -29,7 +29,7 @@ def sequence_to_heads(x: torch.Tensor, group) -> torch.Tensor:
     """[b, h, s, d] (all heads, my tokens) -> [b, h / U, U * s, d] (my heads, every member's tokens in rank order)."""
     size = dist.get_world_size(group)
     b, h, s, d = x.shape
-    parts = x.view(b, size, h // size, s, d).transpose(0, 1)
+    parts = x.reshape(b, size, h // size, s, d).transpose(0, 1)
     received = _all_to_all(parts, group)  # [U (source member), b, h / U, s, d]
     return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
 
@@ -38,7 +38,7 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """The inverse of ``sequence_to_heads``."""
     size = dist.get_world_size(group)
     b, heads, total, d = x.shape
-    parts = x.view(b, heads, size, total // size, d).permute(2, 0, 1, 3, 4)
+    parts = x.reshape(b, heads, size, total // size, d).permute(2, 0, 1, 3, 4)
     received = _all_to_all(parts, group)  # [U (source head group), b, h / U, s, d]
     return received.transpose(0, 1).reshape(b, size * heads, total // size, d)
 
@@ -77,11 +77,13 @@ def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
 CoreAttention = Callable[..., torch.Tensor]
 
 
-def local_core_attention(causal: bool = True, scale: Optional[float] = None) -> CoreAttention:
+def local_core_attention(causal: bool = True, scale: Optional[float] = None,
+                         symmetric_alibi: Optional[bool] = None) -> CoreAttention:
     """Exact attention over the tokens at hand (the reference path of ``ring_attention``, no communication)."""
 
     def core(q, k, v, positions, slopes, mask):
-        return ring_attention(q, k, v, [positions], causal=causal, scale=scale, slopes=slopes, mask=mask)
+        return ring_attention(q, k, v, [positions], causal=causal, scale=scale, slopes=slopes,
+                              symmetric_alibi=symmetric_alibi, mask=mask)
 
     return core
 
