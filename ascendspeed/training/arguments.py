@@ -76,6 +76,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
     group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
@@ -172,10 +174,11 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
 
     args.world_size = world_size
     args.device = device
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * args.context_parallel_size)
     require(world_size % model_parallel == 0,
             f"world size {world_size} is not divisible by tensor ({args.tensor_model_parallel_size}) x "
-            f"pipeline ({args.pipeline_model_parallel_size}) model-parallel size")
+            f"pipeline ({args.pipeline_model_parallel_size}) x context ({args.context_parallel_size}) parallel size")
     args.data_parallel_size = world_size // model_parallel
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
@@ -234,6 +237,8 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
     if args.eval_seq_lengths is None:
         args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
     require(all(length > 0 for length in args.eval_seq_lengths), "--eval-seq-lengths must be positive")
+    require(all(length % (2 * args.context_parallel_size) == 0 for length in args.eval_seq_lengths),
+            f"--eval-seq-lengths must divide by 2 x --context-parallel-size = {2 * args.context_parallel_size}")
 
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False

@@ -13,12 +13,13 @@ import torch
 from tests.distributed_utils import run_distributed
 
 RELATIVE_TOLERANCE = 1e-5
+#: (position embedding, --cp-attention-mask-type, query groups)
 VARIANTS = [
-    ("learned_absolute", "causal"),
-    ("rope", "causal"),
-    ("alibi", "causal"),
-    ("learned_absolute", "general"),
-    ("alibi", "general"),
+    ("learned_absolute", "causal", None),
+    ("rope", "causal", 2),
+    ("alibi", "causal", None),
+    ("learned_absolute", "general", None),
+    ("alibi", "general", None),
 ]
 
 
@@ -48,7 +49,7 @@ def _loss_and_gradients(model, batch, group):
     return loss, grads
 
 
-def _compare(rank, world_size, algorithm, ulysses_degree):
+def _compare(rank, world_size, algorithm, ulysses_degree, tp):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -56,13 +57,15 @@ def _compare(rank, world_size, algorithm, ulysses_degree):
     from ascendspeed.features import disable_features, enable_features
     from tests.megatron_utils import (
         SEED, TinyGPT, build_gpt_model, destroy_parallel, full_parameters, initialize_parallel,
-        load_full_parameters, make_batch, relative_error,
+        load_full_parameters, make_batch, named_parameters_full, relative_error, shard_like,
     )
 
     shape = TinyGPT(seq_length=16)
+    cp = world_size // tp
     results = {}
-    for position_type, mask_type in VARIANTS:
-        settings = dict(context_parallel_size=world_size, context_parallel_algo=algorithm,
+    for position_type, mask_type, query_groups in VARIANTS:
+        gqa = dict(num_query_groups=query_groups) if query_groups else {}
+        settings = dict(context_parallel_size=cp, context_parallel_algo=algorithm,
                         cp_attention_mask_type=mask_type)
         if ulysses_degree:
             settings["ulysses_degree_in_cp"] = ulysses_degree
@@ -74,39 +77,42 @@ def _compare(rank, world_size, algorithm, ulysses_degree):
             batch["attention_mask"] = _document_mask(shape.seq_length)
 
         initialize_parallel()
-        reference = build_gpt_model(shape.config(), shape, position_embedding_type=position_type)
+        reference = build_gpt_model(shape.config(**gqa), shape, position_embedding_type=position_type)
         full = full_parameters(reference)
         expected_loss, expected = _loss_and_gradients(reference, dict(batch), group=None)
         destroy_parallel()
 
-        parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED)
-        model = build_gpt_model(shape.config(context_parallel_size=world_size), shape,
-                                position_embedding_type=position_type)
+        config = shape.config(context_parallel_size=cp, **gqa)
+        model = build_gpt_model(config, shape, position_embedding_type=position_type)
         load_full_parameters([model], full)
         local = get_batch_on_this_cp_rank(dict(batch))
-        assert local["tokens"].shape[1] == shape.seq_length // world_size
+        assert local["tokens"].shape[1] == shape.seq_length // cp
         loss, grads = _loss_and_gradients(model, local, parallel_state.get_context_parallel_group())
+        errors = {
+            name: relative_error(grads[name], shard_like(expected[name], param, name, config))
+            for name, param in named_parameters_full([model])
+        }
         destroy_parallel()
         disable_features()
 
-        names = {name for name, _ in reference.named_parameters()}
-        assert set(grads) == names
-        results[(position_type, mask_type)] = (
-            relative_error(loss, expected_loss),
-            {name: relative_error(grads[name], expected[name]) for name in names},
-        )
+        assert set(errors) == {name for name, _ in reference.named_parameters()}
+        results[(position_type, mask_type, query_groups)] = (relative_error(loss, expected_loss), errors)
     return results
 
 
-@pytest.mark.parametrize("algorithm, world_size, ulysses_degree", [
-    ("megatron_cp_algo", 2, None),
-    ("ulysses_cp_algo", 2, None),
-    ("hybrid_cp_algo", 2, 2),
+@pytest.mark.parametrize("algorithm, world_size, ulysses_degree, tp", [
+    ("megatron_cp_algo", 2, None, 1),
+    ("ulysses_cp_algo", 2, None, 1),
+    ("hybrid_cp_algo", 2, 2, 1),
+    ("hybrid_cp_algo", 4, 2, 1),
+    ("megatron_cp_algo", 4, None, 2),
 ])
-def test_gpt_context_parallel_matches_single_process(algorithm, world_size, ulysses_degree):
-    per_rank = run_distributed(_compare, world_size, algorithm, ulysses_degree, timeout=600)
+def test_gpt_context_parallel_matches_single_process(algorithm, world_size, ulysses_degree, tp):
+    """cp = world_size / tp; the last two cases: a real hybrid (2 Ulysses pairs in a ring of 2), TP 2 x CP 2."""
+    per_rank = run_distributed(_compare, world_size, algorithm, ulysses_degree, tp, timeout=900)
     for rank, results in enumerate(per_rank):
         assert set(results) == set(VARIANTS)
         for variant, (loss_error, grad_errors) in results.items():

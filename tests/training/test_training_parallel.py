@@ -17,6 +17,8 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2-vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
+    "cp2": ["--context-parallel-size", "2"],
+    "cp2-ulysses": ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"],
 }
 
 
@@ -28,7 +30,7 @@ def _tied_name(name: str) -> str:
 def _run(args, full=None, steps=3):
     import torch
     import megatron_utils as mu
-    from ascendspeed.features import apply_features
+    from ascendspeed.features import apply_features, disable_features
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.trainer import Trainer
 
@@ -48,6 +50,7 @@ def _run(args, full=None, steps=3):
         return full, losses, validation + [trainer.num_parameters()]
     finally:
         teardown(state)
+        disable_features()  # the next layout applies its own settings
 
 
 def _layouts_worker(rank, world_size, names):
@@ -61,7 +64,8 @@ def _layouts_worker(rank, world_size, names):
     return results
 
 
-@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"]], ids="+".join)
+@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"], ["cp2", "cp2-ulysses"]],
+                         ids="+".join)
 def test_layouts_match_the_data_parallel_reference(names):
     results = run_distributed(_layouts_worker, 2, names, timeout=240)
     reference_losses, reference_validation = results[0]["reference"]
