@@ -154,3 +154,30 @@ def test_merge_in_any_order_is_exact():
                                                torch.arange(5)[cols], rule))
     torch.testing.assert_close(out, full, rtol=0, atol=1e-14)
     torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-14)
+
+
+def _ring_telemetry(rank, world_size):
+    from ascendspeed.features.context_parallel import RingTelemetry
+
+    positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
+    q, k, v, grad, _ = make_inputs(seed=7)
+    local = [layout.split_for_rank(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+    telemetry = RingTelemetry()
+    timed = ring_attention(*local, positions, group=dist.group.WORLD, telemetry=telemetry)
+    timed_grads = torch.autograd.grad(timed, local, layout.split_for_rank(grad, 2, rank, world_size))
+    plain = ring_attention(*local, positions, group=dist.group.WORLD)
+    plain_grads = torch.autograd.grad(plain, local, layout.split_for_rank(grad, 2, rank, world_size))
+    assert torch.equal(timed, plain) and all(torch.equal(a, b) for a, b in zip(timed_grads, plain_grads))
+    return telemetry.summary()
+
+
+def test_ring_telemetry_counts_every_hop():
+    cp = 2
+    for summary in run_distributed(_ring_telemetry, cp):
+        # forward: cp - 1 key/value hops; backward: cp - 1 key/value hops and cp dK/dV hops (one extra home)
+        assert summary["hops"] == 3 * cp - 2
+        hop_bytes = 2 * BATCH * HEADS * (SEQ // cp) * HEAD_DIM * 8
+        assert summary["sent_MB"] * 2**20 == pytest.approx((3 * cp - 2) * hop_bytes)
+        assert summary["compute_s"] > 0 and summary["communication_s"] > 0
+        assert summary["exposed_s"] <= summary["communication_s"] + 1e-3
+        assert 0.0 <= summary["hidden_fraction"] <= 1.0

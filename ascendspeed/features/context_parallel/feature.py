@@ -60,6 +60,11 @@ class ContextParallelFeature(Feature):
             help="causal: mask by token position (the data's attention mask is not read); general: apply the "
             "attention mask of the batch (e.g. --reset-attention-mask) to every block.",
         )
+        group.add_argument(
+            "--log-cp-ring-overlap", action="store_true",
+            help="Time every ring hop (a watcher thread per hop) to report how much of the ring's communication "
+            "the block computation hid (ascendspeed.features.context_parallel.megatron_attention.TELEMETRY).",
+        )
 
     def is_enabled(self, args: argparse.Namespace) -> bool:
         return (getattr(args, "context_parallel_size", 1) or 1) > 1 and \
@@ -128,6 +133,7 @@ class ContextParallelFeature(Feature):
             algorithm=algorithm,
             ulysses_degree=(getattr(args, "ulysses_degree_in_cp", None) or 1) if algorithm == HYBRID else 1,
             mask_type=getattr(args, "cp_attention_mask_type", "causal"),
+            telemetry=bool(getattr(args, "log_cp_ring_overlap", False)),
         )
 
     def patches(self, settings: ContextParallelSettings):

@@ -22,7 +22,8 @@ from ascendspeed.features.context_parallel.settings import HYBRID, RING, ULYSSES
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 
-#: Ring telemetry of this process (every layer adds to it); reset it to measure a window.
+#: Ring telemetry of this process with ``--log-cp-ring-overlap`` (every layer adds to it); reset it to
+#: measure a window, read ``TELEMETRY.summary()``.
 TELEMETRY = RingTelemetry()
 
 _HYBRID_GROUPS: dict[tuple[tuple[int, ...], int], HybridGroups] = {}
@@ -54,6 +55,7 @@ class ContextParallelAttention:
                 "not causal: use --cp-attention-mask-type general to apply the layer's attention_mask"
             )
         self.hybrid = hybrid_groups(cp_group, settings.ulysses_degree) if settings.algorithm == HYBRID else None
+        self.telemetry = TELEMETRY if settings.telemetry else None
 
     @functools.lru_cache(maxsize=8)
     def positions(self, seq_length: int) -> tuple[torch.Tensor, ...]:
@@ -93,13 +95,13 @@ class ContextParallelAttention:
         algorithm = self.settings.algorithm
         if algorithm == RING:
             out = ring_attention(q, k, v, positions, group=self.group, causal=self.causal, scale=scale,
-                                 slopes=slopes, symmetric_alibi=symmetric, mask=mask, telemetry=TELEMETRY)
+                                 slopes=slopes, symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
         elif algorithm == ULYSSES:
             core = local_core_attention(self.causal, scale, symmetric)
             out = ulysses_attention(q, k, v, positions, group=self.group, core=core, slopes=slopes, mask=mask)
         else:
             out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
-                                   symmetric_alibi=symmetric, mask=mask, telemetry=TELEMETRY)
+                                   symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
         return out.permute(2, 0, 1, 3).reshape(local_length, batch, heads * out.size(-1))
 
 

@@ -15,6 +15,7 @@ with the second query chunk against all keys -- the same work on every rank.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -64,18 +65,33 @@ class _Exchange:
 
     def __init__(self, ring: "Ring", tensor: torch.Tensor, tag: int):
         self.received = torch.empty_like(tensor)
-        self._ring = ring
+        self._telemetry = ring.telemetry
         ops = [
             dist.P2POp(dist.isend, tensor, ring.next_rank, ring.group, tag),
             dist.P2POp(dist.irecv, self.received, ring.previous_rank, ring.group, tag),
         ]
+        self._posted = time.perf_counter()
         self._works = dist.batch_isend_irecv(ops)
+        self._watcher = None
+        if self._telemetry is not None:
+            self._completed = None
+            self._watcher = threading.Thread(target=self._watch, daemon=True)
+            self._watcher.start()
 
-    def wait(self) -> torch.Tensor:
-        start = time.perf_counter()
+    def _watch(self) -> None:
         for work in self._works:
             work.wait()
-        self._ring.record_wait(time.perf_counter() - start)
+        self._completed = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        if self._watcher is None:
+            for work in self._works:
+                work.wait()
+            return self.received
+        blocked = time.perf_counter()
+        self._watcher.join()
+        now = time.perf_counter()
+        self._telemetry.record_hop(self._posted, self._completed, now - blocked)
         return self.received
 
 
@@ -104,10 +120,6 @@ class Ring:
         if self.telemetry is not None:
             self.telemetry.sent_bytes += tensor.numel() * tensor.element_size()
         return _Exchange(self, tensor, tag)
-
-    def record_wait(self, seconds: float) -> None:
-        if self.telemetry is not None:
-            self.telemetry.exposed_s += seconds
 
     def timed(self):
         return _Timer(self.telemetry)

@@ -14,11 +14,13 @@ MASK_TYPES = ("causal", "general")
 class ContextParallelSettings:
     """``algorithm``: one of ``ALGORITHMS``; ``ulysses_degree``: Ulysses group size of the hybrid algorithm;
     ``mask_type``: ``causal`` (mask from positions, Megatron's ``attention_mask`` ignored) or ``general``
-    (Megatron's ``attention_mask`` rows are applied, columns indexed by absolute key position)."""
+    (Megatron's ``attention_mask`` rows are applied, columns indexed by absolute key position);
+    ``telemetry``: ring hops are timed into ``megatron_attention.TELEMETRY``."""
 
     algorithm: str = RING
     ulysses_degree: int = 1
     mask_type: str = "causal"
+    telemetry: bool = False
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
