@@ -121,3 +121,89 @@ def test_gpt_context_parallel_matches_single_process(algorithm, world_size, ulys
             assert grad_errors[worst] < RELATIVE_TOLERANCE, (
                 f"rank {rank} {variant}: gradient of {worst} off by {grad_errors[worst]:.2e}"
             )
+
+
+STEPS = 20
+
+
+def _train_losses(rank, world_size, use_distributed_optimizer, overlap_grad_reduce):
+    """20 Adam steps of the same GPT on the same global batches: data parallel 2 (reference), then ring
+    context parallel 2 under megatron DDP (optionally distributed optimizer and overlapped reduction)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from ascendspeed.features import disable_features, enable_features
+    from tests.megatron_utils import (
+        SEED, TinyGPT, build_gpt_model, destroy_parallel, full_parameters, initialize_parallel,
+        load_full_parameters, make_batch, make_optimizer, masked_mean_loss, split_batch, wrap_ddp,
+    )
+
+    shape = TinyGPT(seq_length=16)
+    global_batch = 4
+
+    def train(ddp, optimizer, cp_split):
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        losses = []
+        for _ in range(STEPS):
+            batch = make_batch(shape, batch_size=global_batch, seed=100)  # memorised: the loss falls
+            if not cp_split:  # data parallel: this rank's samples
+                batch = split_batch(batch, parallel_state.get_data_parallel_world_size())[
+                    parallel_state.get_data_parallel_rank()]
+            micro_batches = split_batch(batch, batch["tokens"].shape[0] // shape.micro_batch_size)
+
+            def forward_step(iterator, model):
+                micro = next(iterator)
+                if cp_split:
+                    micro = get_batch_on_this_cp_rank(dict(micro))
+                output = model(micro["tokens"], micro["position_ids"], micro["attention_mask"],
+                               labels=micro["labels"])
+
+                def loss_func(per_token):
+                    loss = masked_mean_loss(per_token, micro["loss_mask"])
+                    return loss, {"lm loss": loss.detach().clone()}
+
+                return output, loss_func
+
+            for chunk in ddp:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            results = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro_batches), model=ddp[0],
+                num_microbatches=len(micro_batches), seq_length=shape.seq_length,
+                micro_batch_size=shape.micro_batch_size, forward_only=False,
+            )
+            optimizer.step()
+            loss = torch.stack([r["lm loss"] for r in results]).mean()
+            torch.distributed.all_reduce(loss, group=group)
+            losses.append(loss.item() / group.size())
+        return losses
+
+    initialize_parallel()
+    reference_model = build_gpt_model(shape.config(), shape)
+    full = full_parameters(reference_model)
+    ddp = wrap_ddp([reference_model])
+    expected = train(ddp, make_optimizer(ddp), cp_split=False)
+    destroy_parallel()
+
+    enable_features(context_parallel_size=2)
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED)
+    model = build_gpt_model(shape.config(context_parallel_size=2), shape)
+    load_full_parameters([model], full)
+    ddp = wrap_ddp([model], use_distributed_optimizer=use_distributed_optimizer,
+                   overlap_grad_reduce=overlap_grad_reduce, bucket_size=2000 if overlap_grad_reduce else None)
+    losses = train(ddp, make_optimizer(ddp), cp_split=True)
+    destroy_parallel()
+    disable_features()
+    return expected, losses
+
+
+@pytest.mark.parametrize("use_distributed_optimizer, overlap_grad_reduce", [(True, True)])
+def test_twenty_training_steps_match_data_parallel(use_distributed_optimizer, overlap_grad_reduce):
+    for expected, losses in run_distributed(_train_losses, 2, use_distributed_optimizer, overlap_grad_reduce,
+                                            timeout=900):
+        assert expected[-1] < expected[0]
+        assert losses == pytest.approx(expected, rel=1e-4)
