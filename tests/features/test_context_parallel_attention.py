@@ -181,3 +181,22 @@ def test_ring_telemetry_counts_every_hop():
         assert summary["compute_s"] > 0 and summary["communication_s"] > 0
         assert summary["exposed_s"] <= summary["communication_s"] + 1e-3
         assert 0.0 <= summary["hidden_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):
+    """One process, odd sizes: fp32 and bf16 inputs against the float64 reference (relative norm error)."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(3, 2, 22, 12, dtype=torch.float64, generator=generator) for _ in range(4))
+    slopes = alibi_slopes(2)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, causal, slopes, None)
+    expected_grads = torch.autograd.grad(expected, full, grad)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*low, [torch.arange(22)], causal=causal, slopes=slopes)
+    grads = torch.autograd.grad(out, low, grad.to(dtype))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    for actual, reference in zip([out, *grads], [expected, *expected_grads]):
+        error = (actual.double() - reference).norm() / reference.norm()
+        assert error < tolerance

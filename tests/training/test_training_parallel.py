@@ -19,6 +19,8 @@ LAYOUTS = {
     "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
     "cp2": ["--context-parallel-size", "2"],
     "cp2-ulysses": ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"],
+    "pp2-cp2-hybrid": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                       "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
 }
 
 
@@ -75,3 +77,15 @@ def test_layouts_match_the_data_parallel_reference(names):
             losses, validation = rank_result[name]
             assert losses == pytest.approx(reference_losses, rel=2e-5), name
             assert validation == pytest.approx(reference_validation, rel=2e-5), name  # and parameter count
+
+
+def test_pipeline_and_context_parallel_match_the_data_parallel_reference():
+    """4 ranks: PP 2 x CP 2 (hybrid) against DP 4. Validation at twice the length is left out: DP 4 deals the
+    held-out windows in multiples of 4, so it evaluates fewer of them than a single replica does."""
+    results = run_distributed(_layouts_worker, 4, ["pp2-cp2-hybrid"], timeout=600)
+    reference_losses, (reference_validation, _, reference_parameters) = results[0]["reference"]
+    for rank_result in results:
+        losses, (validation, _, parameters) = rank_result["pp2-cp2-hybrid"]
+        assert losses == pytest.approx(reference_losses, rel=2e-5)
+        assert validation == pytest.approx(reference_validation, rel=2e-5)
+        assert parameters == reference_parameters

@@ -40,9 +40,6 @@ class ScoreRule:
     def alibi_distance_is_absolute(self) -> bool:
         return (not self.causal) if self.symmetric_alibi is None else self.symmetric_alibi
 
-    def with_slopes(self, slopes: Optional[torch.Tensor]) -> "ScoreRule":
-        return dataclasses.replace(self, slopes=slopes)
-
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -57,12 +57,10 @@ class ContextParallelAttention:
         self.hybrid = hybrid_groups(cp_group, settings.ulysses_degree) if settings.algorithm == HYBRID else None
         self.telemetry = TELEMETRY if settings.telemetry else None
 
-    @functools.lru_cache(maxsize=8)
-    def positions(self, seq_length: int) -> tuple[torch.Tensor, ...]:
-        return tuple(layout.positions_on_rank(seq_length, r, self.size) for r in range(self.size))
-
     def mask_rows(self, attention_mask: Optional[torch.Tensor], positions, seq_length: int):
-        """This rank's rows of Megatron's boolean ``attention_mask`` (given whole, or already split by rows)."""
+        """This rank's rows of Megatron's boolean ``attention_mask`` (given whole, already split by rows, or
+        one row for every query). A query that sees no key at all gets a zero output (Megatron's -10000 fill
+        would average every value): only padding queries, whose loss is masked, can be affected."""
         if self.causal:
             return None
         if attention_mask is None:
@@ -72,8 +70,11 @@ class ContextParallelAttention:
                 f"attention_mask must cover every key of the sequence ({seq_length}) in its last dimension, "
                 f"got shape {tuple(attention_mask.shape)}"
             )
-        if attention_mask.size(-2) == seq_length and seq_length != positions[self.rank].numel():
-            return attention_mask.index_select(-2, positions[self.rank].to(attention_mask.device))
+        local_length = positions[self.rank].numel()
+        if attention_mask.size(-2) == 1:
+            return attention_mask.bool().expand(*attention_mask.shape[:-2], local_length, seq_length)
+        if attention_mask.size(-2) == seq_length and seq_length != local_length:
+            return attention_mask.index_select(-2, positions[self.rank].to(attention_mask.device)).bool()
         return attention_mask.bool()
 
     def __call__(self, layer, query, key, value, attention_mask):
@@ -86,7 +87,7 @@ class ContextParallelAttention:
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        positions = self.positions(seq_length)
+        positions = _balanced_positions(seq_length, self.size)
         mask = self.mask_rows(attention_mask, positions, seq_length)
         scale = layer.softmax_scale * (layer.scale_mask_softmax.scale or 1.0)
         alibi = layer.__dict__.get("alibi")
@@ -103,6 +104,12 @@ class ContextParallelAttention:
             out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
                                    symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
         return out.permute(2, 0, 1, 3).reshape(local_length, batch, heads * out.size(-1))
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_positions(seq_length: int, cp_size: int) -> tuple[torch.Tensor, ...]:
+    """Positions of every rank's tokens in the balanced layout (megatron-core's ``get_batch_on_this_cp_rank``)."""
+    return tuple(layout.positions_on_rank(seq_length, rank, cp_size) for rank in range(cp_size))
 
 
 def _cp_group(pg_collection):

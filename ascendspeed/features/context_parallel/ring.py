@@ -14,6 +14,7 @@ with the second query chunk against all keys -- the same work on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -121,20 +122,13 @@ class Ring:
             self.telemetry.sent_bytes += tensor.numel() * tensor.element_size()
         return _Exchange(self, tensor, tag)
 
-    def timed(self):
-        return _Timer(self.telemetry)
-
-
-class _Timer:
-    def __init__(self, telemetry):
-        self.telemetry = telemetry
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
+    @contextlib.contextmanager
+    def computing(self):
+        """Counts the block computation inside into the telemetry."""
+        start = time.perf_counter()
+        yield
         if self.telemetry is not None:
-            self.telemetry.compute_s += time.perf_counter() - self.start
+            self.telemetry.compute_s += time.perf_counter() - start
 
 
 def _mask_rows(mask, rows):
@@ -152,7 +146,7 @@ def _ring_forward(q, k, v, mask, ring: Ring, rule: ScoreRule):
         exchange = ring.send_on(key_value, _TAG_KV) if step < ring.size - 1 else None
         plan = plan_block(q_pos, ring.positions[source], rule.causal)
         if plan is not None:
-            with ring.timed():
+            with ring.computing():
                 k_block, v_block = key_value[:, :, :, plan.cols]
                 block_out, block_lse = block_forward(
                     q[:, :, plan.rows], k_block, v_block, q_pos[plan.rows], ring.positions[source][plan.cols],
@@ -178,7 +172,7 @@ def _ring_backward(q, k, v, mask, out, lse, grad_out, ring: Ring, rule: ScoreRul
         grad_key_value = torch.zeros(key_value.shape, dtype=acc, device=q.device)
         plan = plan_block(q_pos, k_pos, rule.causal)
         if plan is not None:
-            with ring.timed():
+            with ring.computing():
                 rows, cols = plan.rows, plan.cols
                 k_block, v_block = key_value[:, :, :, cols]
                 block_grad_q, block_grad_k, block_grad_v = block_backward(
