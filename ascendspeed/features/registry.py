@@ -6,4 +6,5 @@ FEATURE_MODULES = (
     "ascendspeed.features.local_norm",
     "ascendspeed.features.fused_rope",
     "ascendspeed.features.reuse_fp32_param",
+    "ascendspeed.features.context_parallel",
 )

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from ascendspeed.features import all_features, apply_features
 from ascendspeed.training import checkpointing, memory
@@ -96,8 +97,10 @@ def _loss_func(output_tensor: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    batch: Batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    """Each context-parallel rank takes its chunks of the sequence; the schedule scales the loss by the
+    context-parallel size and DDP averages over data x context parallel ranks, as in Megatron-LM."""
+    batch = get_batch_on_this_cp_rank(dict(vars(next(data_iterator))))
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, _loss_func
 
 

@@ -84,7 +84,6 @@ def test_megatron_lm_parser_accepts_alibi():
 
 
 @pytest.mark.parametrize("flags,named", [
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl"),
     (["--sft"], "--sft"),
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),

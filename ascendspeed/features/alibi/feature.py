@@ -15,7 +15,6 @@ from ascendspeed.features.base import (
 )
 
 UNSUPPORTED = (
-    Unsupported("context_parallel_size", "--context-parallel-size", 1, "context parallelism is not supported yet"),
     Unsupported("transformer_impl", "--transformer-impl", "local",
                 "Transformer Engine attention is not supported yet; use --transformer-impl local"),
     Unsupported("sft", "--sft", False, "packed sequences are not supported yet"),
@@ -33,6 +32,8 @@ UNSUPPORTED = (
                 "it configures rotary embeddings, which ALiBi replaces; drop the flag"),
 )
 UNSUPPORTED_FUSED = (
+    Unsupported("context_parallel_size", "--context-parallel-size", 1,
+                "context parallelism runs ALiBi in its own blockwise attention; drop --alibi-fused-attention"),
     Unsupported("reset_attention_mask", "--reset-attention-mask", False,
                 "the fused path uses the kernel's causal mask, not document masks; use the local path"),
     Unsupported("window_size", "--window-size", None, "sliding-window attention is not supported by the fused path"),
