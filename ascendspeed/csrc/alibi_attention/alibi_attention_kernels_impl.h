@@ -8,8 +8,8 @@
 // sum, the output rescaled when the maximum grows) and keeps only the output and each row's
 // logsumexp. Backward recomputes every probability block from q, k and the logsumexp: nothing of
 // size [sq, sk] is ever stored. Key blocks entirely after a query block's last position are
-// skipped. Block matmuls run through block_gemm.h (bf16/fp16 inputs with fp32 accumulation);
-// bias, softmax and every accumulator are in opmath (fp32; fp64 for fp64 inputs).
+// skipped. Block matmuls run through block_gemm.h in opmath (fp32; fp64 for fp64 inputs): bf16 / fp16
+// rows are widened to fp32 first. Bias, softmax and every accumulator are in opmath as well.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -102,6 +102,28 @@ acc_t exp_shifted(acc_t* s, int64_t visible, int64_t block_keys, acc_t shift) {
   return at::vec::vec_reduce_all<acc_t>([](const Vec& x, const Vec& y) { return x + y; }, sum_vec);
 }
 
+// Flushes subnormal results to zero and reads subnormal inputs as zero (FTZ/DAZ) on the calling thread
+// while it lives. ALiBi pushes distant keys' probabilities far below 1e-30; on many x86 cores every
+// subnormal operand or result of a multiply costs a microcode assist of a hundred cycles or more, so
+// without this the cost would depend on the CPU. The values affected are below 1.2e-38 (fp32's
+// smallest normal number), far under any output's resolution.
+class FlushSubnormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  FlushSubnormals() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero);
+  }
+  ~FlushSubnormals() {
+    _mm_setcsr(saved_);
+  }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000;
+  static constexpr unsigned kDenormalsAreZero = 0x0040;
+  unsigned saved_;
+#endif
+};
+
 // Keys [0, key_end) can be seen by some row of the query block [q_begin, q_end).
 inline int64_t key_end_of(int64_t q_end, int64_t q_offset, int64_t sk) {
   return std::min(sk, q_end - 1 + q_offset + 1);
@@ -111,6 +133,32 @@ inline int64_t key_end_of(int64_t q_end, int64_t q_offset, int64_t sk) {
 inline int64_t visible_keys(int64_t q_pos, int64_t k_begin, int64_t block_keys) {
   return std::clamp<int64_t>(q_pos + 1 - k_begin, 0, block_keys);
 }
+
+// Rows of one operand as opmath values: read in place for fp32 / fp64, widened into a buffer for
+// bf16 / fp16 so that every block matmul is an fp32 one with fp32 probabilities (MKL's bf16 gemm,
+// for one, widens to fp32 itself on CPUs without native bf16 instructions, at every call).
+template <typename scalar_t, typename acc_t>
+struct WideRows {
+  std::vector<acc_t> buffer;
+  const acc_t* data = nullptr;
+  int64_t ld = 0;
+
+  void assign(const scalar_t* rows_data, int64_t row_stride, int64_t rows, int64_t dim) {
+    if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      data = rows_data;
+      ld = row_stride;
+    } else {
+      if (static_cast<int64_t>(buffer.size()) < rows * dim) {
+        buffer.resize(rows * dim);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        at::vec::convert<scalar_t, acc_t>(rows_data + r * row_stride, buffer.data() + r * dim, dim);
+      }
+      data = buffer.data();
+      ld = dim;
+    }
+  }
+};
 
 template <typename scalar_t>
 void forward_typed(
@@ -123,9 +171,7 @@ void forward_typed(
     const at::Tensor& out,
     const at::Tensor& lse) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr bool kReduced = !std::is_same_v<scalar_t, acc_t>;
   const int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), dim = q.size(3), sk = k.size(2);
-  const int64_t q_blocks = (sq + kBlockQ - 1) / kBlockQ;
   const acc_t scale = static_cast<acc_t>(scale_d);
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const scalar_t* k_data = k.const_data_ptr<scalar_t>();
@@ -133,64 +179,63 @@ void forward_typed(
   const float* slope_data = slopes.const_data_ptr<float>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
   acc_t* lse_data = lse.data_ptr<acc_t>();
+  const int64_t head_key_end = key_end_of(sq, q_offset, sk);
 
-  at::parallel_for(0, batch * heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+  // One (batch, head) per task, its query blocks in order: a head's keys and values are widened once.
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals flush_subnormals;
     std::vector<acc_t> scores(kBlockQ * kBlockK);
-    std::vector<scalar_t> probs_low(kReduced ? kBlockQ * kBlockK : 0);
     std::vector<acc_t> acc(kBlockQ * dim);
     std::vector<acc_t> row_max(kBlockQ), row_sum(kBlockQ);
+    WideRows<scalar_t, acc_t> q_rows, k_rows, v_rows;
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t qb = unit % q_blocks, h = (unit / q_blocks) % heads, b = unit / (q_blocks * heads);
-      const int64_t q_begin = qb * kBlockQ, rows = std::min(kBlockQ, sq - q_begin);
-      const scalar_t* q_block = q_data + b * q.stride(0) + h * q.stride(1) + q_begin * q.stride(2);
-      const scalar_t* k_head = k_data + b * k.stride(0) + h * k.stride(1);
-      const scalar_t* v_head = v_data + b * v.stride(0) + h * v.stride(1);
+      const int64_t h = unit % heads, b = unit / heads;
+      k_rows.assign(k_data + b * k.stride(0) + h * k.stride(1), k.stride(2), head_key_end, dim);
+      v_rows.assign(v_data + b * v.stride(0) + h * v.stride(1), v.stride(2), head_key_end, dim);
       const acc_t slope = static_cast<acc_t>(slope_data[h]);
-      std::fill(acc.begin(), acc.begin() + rows * dim, acc_t(0));
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<acc_t>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
-      const int64_t key_end = key_end_of(q_begin + rows, q_offset, sk);
-      for (int64_t k_begin = 0; k_begin < key_end; k_begin += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - k_begin);
-        gemm_rows(false, true, rows, cols, dim, acc_t(1), q_block, q.stride(2),
-                                   k_head + k_begin * k.stride(2), k.stride(2), acc_t(0), scores.data(), cols);
+      for (int64_t q_begin = 0; q_begin < sq; q_begin += kBlockQ) {
+        const int64_t rows = std::min(kBlockQ, sq - q_begin);
+        q_rows.assign(q_data + b * q.stride(0) + h * q.stride(1) + q_begin * q.stride(2), q.stride(2), rows, dim);
+        std::fill(acc.begin(), acc.begin() + rows * dim, acc_t(0));
+        std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<acc_t>::infinity());
+        std::fill(row_sum.begin(), row_sum.end(), acc_t(0));
+        const int64_t key_end = key_end_of(q_begin + rows, q_offset, sk);
+        for (int64_t k_begin = 0; k_begin < key_end; k_begin += kBlockK) {
+          const int64_t cols = std::min(kBlockK, key_end - k_begin);
+          gemm_rows(false, true, rows, cols, dim, acc_t(1), q_rows.data, q_rows.ld, k_rows.data + k_begin * k_rows.ld,
+                    k_rows.ld, acc_t(0), scores.data(), cols);
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t q_pos = q_begin + r + q_offset;
+            const int64_t visible = visible_keys(q_pos, k_begin, cols);
+            acc_t* s = scores.data() + r * cols;
+            if (visible == 0) {
+              std::fill(s, s + cols, acc_t(0));
+              continue;
+            }
+            const acc_t block_max = biased_scores<acc_t>(s, visible, scale, slope, q_pos - k_begin);
+            const acc_t new_max = std::max(row_max[r], block_max);
+            const acc_t block_sum = exp_shifted<acc_t>(s, visible, cols, new_max);
+            // The first block of every row has a visible key, so row_max is finite from then on.
+            const acc_t rescale = std::exp(row_max[r] - new_max);
+            row_sum[r] = row_sum[r] * rescale + block_sum;
+            row_max[r] = new_max;
+            if (rescale != acc_t(1)) {
+              at::vec::map([rescale](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(rescale); },
+                           acc.data() + r * dim, acc.data() + r * dim, dim);
+            }
+          }
+          gemm_rows(false, false, rows, dim, cols, acc_t(1), scores.data(), cols, v_rows.data + k_begin * v_rows.ld,
+                    v_rows.ld, acc_t(1), acc.data(), dim);
+        }
+        scalar_t* out_block = out_data + b * out.stride(0) + h * out.stride(1) + q_begin * out.stride(2);
+        acc_t* lse_block = lse_data + (b * heads + h) * sq + q_begin;
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t q_pos = q_begin + r + q_offset;
-          const int64_t visible = visible_keys(q_pos, k_begin, cols);
-          acc_t* s = scores.data() + r * cols;
-          if (visible == 0) {
-            std::fill(s, s + cols, acc_t(0));
-            continue;
-          }
-          const acc_t block_max = biased_scores<acc_t>(s, visible, scale, slope, q_pos - k_begin);
-          const acc_t new_max = std::max(row_max[r], block_max);
-          const acc_t block_sum = exp_shifted<acc_t>(s, visible, cols, new_max);
-          // The first block of every row has a visible key, so row_max is finite from then on.
-          const acc_t rescale = std::exp(row_max[r] - new_max);
-          row_sum[r] = row_sum[r] * rescale + block_sum;
-          row_max[r] = new_max;
-          if (rescale != acc_t(1)) {
-            at::vec::map([rescale](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(rescale); },
-                         acc.data() + r * dim, acc.data() + r * dim, dim);
-          }
+          const acc_t inverse = acc_t(1) / row_sum[r];
+          at::vec::map([inverse](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(inverse); },
+                       acc.data() + r * dim, acc.data() + r * dim, dim);
+          convert_row<scalar_t, acc_t>(acc.data() + r * dim, out_block + r * out.stride(2), dim);
+          lse_block[r] = row_max[r] + std::log(row_sum[r]);
         }
-        if constexpr (kReduced) {
-          convert_row<scalar_t, acc_t>(scores.data(), probs_low.data(), rows * cols);
-          gemm_rows(false, false, rows, dim, cols, acc_t(1), probs_low.data(), cols,
-                                     v_head + k_begin * v.stride(2), v.stride(2), acc_t(1), acc.data(), dim);
-        } else {
-          gemm_rows(false, false, rows, dim, cols, acc_t(1), scores.data(), cols,
-                                     v_head + k_begin * v.stride(2), v.stride(2), acc_t(1), acc.data(), dim);
-        }
-      }
-      scalar_t* out_block = out_data + b * out.stride(0) + h * out.stride(1) + q_begin * out.stride(2);
-      acc_t* lse_block = lse_data + (b * heads + h) * sq + q_begin;
-      for (int64_t r = 0; r < rows; ++r) {
-        const acc_t inverse = acc_t(1) / row_sum[r];
-        at::vec::map([inverse](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(inverse); },
-                     acc.data() + r * dim, acc.data() + r * dim, dim);
-        convert_row<scalar_t, acc_t>(acc.data() + r * dim, out_block + r * out.stride(2), dim);
-        lse_block[r] = row_max[r] + std::log(row_sum[r]);
       }
     }
   });
@@ -227,7 +272,6 @@ void backward_typed(
     const at::Tensor& grad_v) {
   using acc_t = at::opmath_type<scalar_t>;
   using Vec = Vectorized<acc_t>;
-  constexpr bool kReduced = !std::is_same_v<scalar_t, acc_t>;
   const int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), dim = q.size(3), sk = k.size(2);
   const acc_t scale = static_cast<acc_t>(scale_d);
   const scalar_t* go_data = grad_out.const_data_ptr<scalar_t>();
@@ -240,18 +284,19 @@ void backward_typed(
   scalar_t* gq_data = grad_q.data_ptr<scalar_t>();
   scalar_t* gk_data = grad_k.data_ptr<scalar_t>();
   scalar_t* gv_data = grad_v.data_ptr<scalar_t>();
+  const int64_t head_key_end = key_end_of(sq, q_offset, sk);
 
   // One (batch, head) per task: grad_k and grad_v of a head accumulate over all its query blocks.
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals flush_subnormals;
     std::vector<acc_t> probs(kBlockQ * kBlockK), grad_scores(kBlockQ * kBlockK);
-    std::vector<scalar_t> probs_low(kReduced ? kBlockQ * kBlockK : 0);
-    std::vector<scalar_t> grad_scores_low(kReduced ? kBlockQ * kBlockK : 0);
     std::vector<acc_t> gq_acc(kBlockQ * dim), gk_acc(sk * dim), gv_acc(sk * dim), delta(kBlockQ);
+    WideRows<scalar_t, acc_t> q_rows, go_rows, k_rows, v_rows;
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t h = unit % heads, b = unit / heads;
+      k_rows.assign(k_data + b * k.stride(0) + h * k.stride(1), k.stride(2), head_key_end, dim);
+      v_rows.assign(v_data + b * v.stride(0) + h * v.stride(1), v.stride(2), head_key_end, dim);
       const scalar_t* q_head = q_data + b * q.stride(0) + h * q.stride(1);
-      const scalar_t* k_head = k_data + b * k.stride(0) + h * k.stride(1);
-      const scalar_t* v_head = v_data + b * v.stride(0) + h * v.stride(1);
       const scalar_t* go_head = go_data + b * grad_out.stride(0) + h * grad_out.stride(1);
       const scalar_t* out_head = out_data + b * out.stride(0) + h * out.stride(1);
       const acc_t* lse_head = lse_data + (b * heads + h) * sq;
@@ -260,22 +305,21 @@ void backward_typed(
       std::fill(gv_acc.begin(), gv_acc.end(), acc_t(0));
       for (int64_t q_begin = 0; q_begin < sq; q_begin += kBlockQ) {
         const int64_t rows = std::min(kBlockQ, sq - q_begin);
-        const scalar_t* q_block = q_head + q_begin * q.stride(2);
-        const scalar_t* go_block = go_head + q_begin * grad_out.stride(2);
-        row_dots<scalar_t, acc_t>(go_block, grad_out.stride(2), out_head + q_begin * out.stride(2), out.stride(2),
-                                  rows, dim, delta.data());
+        q_rows.assign(q_head + q_begin * q.stride(2), q.stride(2), rows, dim);
+        go_rows.assign(go_head + q_begin * grad_out.stride(2), grad_out.stride(2), rows, dim);
+        row_dots<scalar_t, acc_t>(go_head + q_begin * grad_out.stride(2), grad_out.stride(2),
+                                  out_head + q_begin * out.stride(2), out.stride(2), rows, dim, delta.data());
         std::fill(gq_acc.begin(), gq_acc.begin() + rows * dim, acc_t(0));
         const int64_t key_end = key_end_of(q_begin + rows, q_offset, sk);
         for (int64_t k_begin = 0; k_begin < key_end; k_begin += kBlockK) {
           const int64_t cols = std::min(kBlockK, key_end - k_begin);
-          const scalar_t* k_block = k_head + k_begin * k.stride(2);
-          const scalar_t* v_block = v_head + k_begin * v.stride(2);
-          // P = exp(S + bias - lse), exactly forward's probabilities.
-          gemm_rows(false, true, rows, cols, dim, acc_t(1), q_block, q.stride(2),
-                                     k_block, k.stride(2), acc_t(0), probs.data(), cols);
-          // dP = dO V^T
-          gemm_rows(false, true, rows, cols, dim, acc_t(1), go_block, grad_out.stride(2),
-                                     v_block, v.stride(2), acc_t(0), grad_scores.data(), cols);
+          const acc_t* k_block = k_rows.data + k_begin * k_rows.ld;
+          const acc_t* v_block = v_rows.data + k_begin * v_rows.ld;
+          // P = exp(S + bias - lse), exactly forward's probabilities; dP = dO V^T.
+          gemm_rows(false, true, rows, cols, dim, acc_t(1), q_rows.data, q_rows.ld, k_block, k_rows.ld, acc_t(0),
+                    probs.data(), cols);
+          gemm_rows(false, true, rows, cols, dim, acc_t(1), go_rows.data, go_rows.ld, v_block, v_rows.ld, acc_t(0),
+                    grad_scores.data(), cols);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t q_pos = q_begin + r + q_offset;
             const int64_t visible = visible_keys(q_pos, k_begin, cols);
@@ -285,28 +329,17 @@ void backward_typed(
               biased_scores<acc_t>(p, visible, scale, slope, q_pos - k_begin);
             }
             exp_shifted<acc_t>(p, visible, cols, lse_head[q_begin + r]);
-            // dS = P * (dP - delta); zero where P is (masked keys).
+            // dS = P * (dP - delta): zero where P is (the masked keys).
             const Vec delta_vec(delta[r]);
             at::vec::map2([delta_vec](Vec pv, Vec dpv) { return pv * (dpv - delta_vec); }, ds, p, ds, cols);
           }
-          const scalar_t* p_gemm;
-          const scalar_t* ds_gemm;
-          if constexpr (kReduced) {
-            convert_row<scalar_t, acc_t>(probs.data(), probs_low.data(), rows * cols);
-            convert_row<scalar_t, acc_t>(grad_scores.data(), grad_scores_low.data(), rows * cols);
-            p_gemm = probs_low.data();
-            ds_gemm = grad_scores_low.data();
-          } else {
-            p_gemm = probs.data();
-            ds_gemm = grad_scores.data();
-          }
           // dV += P^T dO;  dQ += scale * dS K;  dK += scale * dS^T Q
-          gemm_rows(true, false, cols, dim, rows, acc_t(1), p_gemm, cols, go_block,
-                                     grad_out.stride(2), acc_t(1), gv_acc.data() + k_begin * dim, dim);
-          gemm_rows(false, false, rows, dim, cols, scale, ds_gemm, cols, k_block, k.stride(2),
-                                     acc_t(1), gq_acc.data(), dim);
-          gemm_rows(true, false, cols, dim, rows, scale, ds_gemm, cols, q_block, q.stride(2),
-                                     acc_t(1), gk_acc.data() + k_begin * dim, dim);
+          gemm_rows(true, false, cols, dim, rows, acc_t(1), probs.data(), cols, go_rows.data, go_rows.ld, acc_t(1),
+                    gv_acc.data() + k_begin * dim, dim);
+          gemm_rows(false, false, rows, dim, cols, scale, grad_scores.data(), cols, k_block, k_rows.ld, acc_t(1),
+                    gq_acc.data(), dim);
+          gemm_rows(true, false, cols, dim, rows, scale, grad_scores.data(), cols, q_rows.data, q_rows.ld, acc_t(1),
+                    gk_acc.data() + k_begin * dim, dim);
         }
         scalar_t* gq_block = gq_data + b * grad_q.stride(0) + h * grad_q.stride(1) + q_begin * grad_q.stride(2);
         for (int64_t r = 0; r < rows; ++r) {

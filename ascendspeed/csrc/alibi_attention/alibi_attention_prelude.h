@@ -8,5 +8,9 @@
 
 #include <ATen/Dispatch.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
 #include <limits>
 #include <vector>

@@ -14,27 +14,17 @@
 #include <limits>
 
 extern "C" {
-// Fortran BLAS (column-major, 32-bit integers) and MKL's mixed-precision CBLAS.
+// Fortran BLAS (column-major, 32-bit integers).
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
             const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
             const int* ldc) __attribute__((weak));
 void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
             const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
             const int* ldc) __attribute__((weak));
-void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                            const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
-                            int ldc) __attribute__((weak));
-void cblas_gemm_f16f16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
-                          const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
-                          int ldc) __attribute__((weak));
 }
 
 namespace ascendspeed::alibi_attention {
 namespace {
-
-constexpr int kCblasRowMajor = 101;
-constexpr int kCblasNoTrans = 111;
-constexpr int kCblasTrans = 112;
 
 bool aten_forced() {
   static const bool forced = [] {
@@ -77,21 +67,6 @@ void fortran_gemm_rows(Gemm gemm, bool transpose_a, bool transpose_b, int64_t m,
   gemm(&ta, &tb, &mi, &ni, &ki, &alpha, b, &lda_i, a, &ldb_i, &beta, c, &ldc_i);
 }
 
-template <typename scalar_t, typename Gemm>
-void reduced_gemm_rows(Gemm gemm, bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
-                       const scalar_t* a, int64_t lda, const scalar_t* b, int64_t ldb, float beta, float* c,
-                       int64_t ldc) {
-  if (gemm == nullptr || aten_forced() || !fits_int(m, n, k, lda, ldb, ldc)) {
-    gemm_rows_aten<float>(transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc,
-                          c10::CppTypeToScalarType<scalar_t>::value);
-    return;
-  }
-  gemm(kCblasRowMajor, transpose_a ? kCblasTrans : kCblasNoTrans, transpose_b ? kCblasTrans : kCblasNoTrans,
-       static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), alpha, reinterpret_cast<const uint16_t*>(a),
-       static_cast<int>(lda), reinterpret_cast<const uint16_t*>(b), static_cast<int>(ldb), beta, c,
-       static_cast<int>(ldc));
-}
-
 } // namespace
 
 void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
@@ -110,22 +85,6 @@ void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t
     return;
   }
   fortran_gemm_rows<double>(dgemm_, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
-               const c10::BFloat16* a, int64_t lda, const c10::BFloat16* b, int64_t ldb, float beta, float* c,
-               int64_t ldc) {
-  reduced_gemm_rows(cblas_gemm_bf16bf16f32, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha,
-               const c10::Half* a, int64_t lda, const c10::Half* b, int64_t ldb, float beta, float* c,
-               int64_t ldc) {
-  reduced_gemm_rows(cblas_gemm_f16f16f32, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
-const char* gemm_backend() {
-  return sgemm_ != nullptr && !aten_forced() ? "mkl" : "aten";
 }
 
 } // namespace ascendspeed::alibi_attention
