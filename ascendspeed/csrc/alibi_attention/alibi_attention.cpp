@@ -19,6 +19,7 @@
 #include <string>
 #include <tuple>
 
+#include "../common/cpu_isa.h"
 #include "alibi_attention_kernels.h"
 
 namespace ascendspeed::alibi_attention {
@@ -142,20 +143,10 @@ std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& query) {
   return {at::empty_like(query), empty_logsumexp(query)};
 }
 
-// The widest kernels torch itself uses on this CPU (ATEN_CPU_CAPABILITY lowers it, as for torch).
 const CpuKernels& cpu_kernels() {
-  static const CpuKernels* chosen = [] {
-    const std::string isa = at::get_cpu_capability();
-    const CpuKernels* kernels = nullptr;
-    if (isa == "AVX512") {
-      kernels = cpu_kernels_avx512();
-    }
-    if (kernels == nullptr && (isa == "AVX512" || isa == "AVX2")) {
-      kernels = cpu_kernels_avx2();
-    }
-    return kernels != nullptr ? kernels : cpu_kernels_default();
-  }();
-  return *chosen;
+  static const CpuKernels& chosen =
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+  return chosen;
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_cpu(

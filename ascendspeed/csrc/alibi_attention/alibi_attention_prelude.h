@@ -1,10 +1,9 @@
 // Everything the kernels depend on, included by each kernels_<isa>.cpp *before* it switches the
-// compiler to its instruction set (the reason is explained in swiglu_kernels_prelude.h, whose list of
-// vector-header dependencies this reuses): inline functions from these headers are then compiled for
-// the baseline ISA, so whichever copy the linker keeps runs on any CPU.
+// compiler to its instruction set (see ../common/cpu_isa_prelude.h for why): inline functions from
+// these headers are then compiled for the baseline ISA, so whichever copy the linker keeps runs on any CPU.
 #pragma once
 
-#include "../swiglu/swiglu_kernels_prelude.h"
+#include "../common/cpu_isa_prelude.h"
 
 #include <ATen/Dispatch.h>
 

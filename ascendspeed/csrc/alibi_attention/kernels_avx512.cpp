@@ -1,37 +1,12 @@
-// ALiBi flash attention CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level), built
-// with GCC's target pragma so the extension keeps one set of compile flags and still runs on CPUs
-// without AVX-512.
+// ALiBi flash attention CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level); see
+// ../common/cpu_isa_avx512_begin.h.
 #include "alibi_attention_kernels.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #include "alibi_attention_prelude.h"
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-// GCC does not define the ISA macros for a target pragma in C++, and sleef.h (the vector math
-// behind Vectorized::exp) declares its wide entry points only under them.
-#ifndef __AVX__
-#define __AVX__ 1
-#define ASCENDSPEED_DEFINED__AVX__
-#endif
-#ifndef __AVX512F__
-#define __AVX512F__ 1
-#define ASCENDSPEED_DEFINED__AVX512F__
-#endif
-#include <sleef.h>
-#ifdef ASCENDSPEED_DEFINED__AVX512F__
-#undef __AVX512F__
-#undef ASCENDSPEED_DEFINED__AVX512F__
-#endif
-#ifdef ASCENDSPEED_DEFINED__AVX__
-#undef __AVX__
-#undef ASCENDSPEED_DEFINED__AVX__
-#endif
-
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
+#include "../common/cpu_isa_avx512_begin.h"
 #include "alibi_attention_kernels_impl.h"
-#pragma GCC pop_options
+#include "../common/cpu_isa_end.h"
 
 namespace ascendspeed::alibi_attention {
 const CpuKernels* cpu_kernels_avx512() {
