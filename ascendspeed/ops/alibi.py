@@ -6,8 +6,10 @@ forming a geometric sequence. Two ways to apply it:
 * :func:`alibi_bias_` adds the bias in place to a score buffer with the C++ operator
   ``torch.ops.ascendspeed.alibi_bias_`` (fp32 bias math, nothing of size [heads, sq, sk] allocated).
   This is what Megatron's local attention path uses, between its ``baddbmm`` and its softmax.
-* :func:`alibi_attention` is a fused attention: torch's flash attention with an O(heads * sk) fp32
-  bias on CPU, ``npu_fusion_attention`` with its kernel-generated ALiBi on Ascend NPUs.
+* :func:`alibi_attention` is a fused attention: on CPU ascendspeed's own flash-attention kernel
+  (``ascendspeed.ops.alibi_flash_attention``) that generates the bias inside its blockwise softmax, in
+  fp32, saving only the output and one logsumexp per query row; ``npu_fusion_attention`` with its
+  kernel-generated ALiBi on Ascend NPUs.
 
 Positions are absolute: query row ``i`` is at position ``i + q_offset``, key column ``j`` at ``j``.
 The default ``q_offset = sk - sq`` puts the query block at the end of the keys, as in decoding
