@@ -3,5 +3,7 @@ FEATURE_MODULES = (
     "ascendspeed.features.async_ddp",
     "ascendspeed.features.alibi",
     "ascendspeed.features.fused_swiglu",
+    "ascendspeed.features.local_norm",
+    "ascendspeed.features.fused_rope",
     "ascendspeed.features.context_parallel",
 )

@@ -15,7 +15,7 @@ from ascendspeed.features.context_parallel.hybrid import build_hybrid_groups, hy
 from ascendspeed.features.context_parallel.ring import plan_block, ring_attention
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 from ascendspeed.ops.alibi import alibi_slopes
-from tests.distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
 TOLERANCE = 1e-10

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 RELATIVE_TOLERANCE = 1e-5
 #: (position embedding, --cp-attention-mask-type, query groups)
@@ -55,7 +55,7 @@ def _compare(rank, world_size, algorithm, ulysses_degree, tp):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from ascendspeed.features import disable_features, enable_features
-    from tests.megatron_utils import (
+    from tests.helpers.megatron import (
         SEED, TinyGPT, build_gpt_model, destroy_parallel, full_parameters, initialize_parallel,
         load_full_parameters, make_batch, named_parameters_full, relative_error, shard_like,
     )
@@ -135,7 +135,7 @@ def _train_losses(rank, world_size, use_distributed_optimizer, overlap_grad_redu
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from ascendspeed.features import disable_features, enable_features
-    from tests.megatron_utils import (
+    from tests.helpers.megatron import (
         SEED, TinyGPT, build_gpt_model, destroy_parallel, full_parameters, initialize_parallel,
         load_full_parameters, make_batch, make_optimizer, masked_mean_loss, split_batch, wrap_ddp,
     )

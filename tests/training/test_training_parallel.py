@@ -5,7 +5,7 @@ sees the same global batches, and must produce the same training and validation 
 """
 import pytest
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -31,7 +31,7 @@ def _tied_name(name: str) -> str:
 
 def _run(args, full=None, steps=3):
     import torch
-    import megatron_utils as mu
+    from tests.helpers import megatron as mu
     from ascendspeed.features import apply_features, disable_features
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.trainer import Trainer

@@ -6,9 +6,8 @@ Flags keep the Ascend ecosystem's names so users' scripts carry over: ``--contex
 from __future__ import annotations
 
 import argparse
-import inspect
 
-from ascendspeed.features.base import Feature, FeatureArgumentError
+from ascendspeed.features.base import Feature, FeatureArgumentError, Unsupported, defaults_of, refuse_unsupported
 from ascendspeed.features.context_parallel import megatron_attention
 from ascendspeed.features.context_parallel.settings import (
     ALGORITHMS,
@@ -18,20 +17,20 @@ from ascendspeed.features.context_parallel.settings import (
     ULYSSES,
     ContextParallelSettings,
 )
-from ascendspeed.patching import replace, wrap
 
-#: Flag values context parallelism cannot run with: (dest, flag, default, why).
-_UNSUPPORTED = (
-    ("sft", "--sft", False, "packed sequences are not supported"),
-    ("window_size", "--window-size", None, "sliding-window attention is not supported"),
-    ("softmax_type", "--softmax-type", "vanilla", "only the vanilla softmax is supported"),
-    ("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention is not supported"),
-    ("use_legacy_models", "--use-legacy-models", False, "legacy models are not supported"),
+UNSUPPORTED = (
+    Unsupported("sft", "--sft", False, "packed sequences are not supported"),
+    Unsupported("window_size", "--window-size", None, "sliding-window attention is not supported"),
+    Unsupported("softmax_type", "--softmax-type", "vanilla", "only the vanilla softmax is supported"),
+    Unsupported("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention is not supported"),
+    Unsupported("use_legacy_models", "--use-legacy-models", False, "legacy models are not supported"),
 )
 
 
-class ContextParallelFeature(Feature):
+class ContextParallelFeature(Feature[ContextParallelSettings]):
     name = "context_parallel"
+    example_flags = ("--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo",
+                     "--ulysses-degree-in-cp", "2")
     megatron_arguments = {
         "context_parallel_size": 1,
         "transformer_impl": "local",
@@ -40,7 +39,7 @@ class ContextParallelFeature(Feature):
         "tensor_model_parallel_size": 1,
         "seq_length": None,
         "attention_dropout": None,
-        **{dest: default for dest, _, default, _ in _UNSUPPORTED},
+        **defaults_of(UNSUPPORTED),
     }
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -89,10 +88,7 @@ class ContextParallelFeature(Feature):
                     "local or drop --context-parallel-algo"
                 )
             return
-        for dest, flag, default, why in _UNSUPPORTED:
-            value = getattr(args, dest, default)
-            if value != default:
-                raise FeatureArgumentError(f"--context-parallel-size {cp} cannot run with {flag} {value}: {why}")
+        refuse_unsupported(args, UNSUPPORTED, f"--context-parallel-size {cp}")
         dropout = getattr(args, "attention_dropout", None)
         if dropout:
             raise FeatureArgumentError(
@@ -137,44 +133,8 @@ class ContextParallelFeature(Feature):
         )
 
     def patches(self, settings: ContextParallelSettings):
-        if isinstance(settings, argparse.Namespace):  # base.py before the typed-settings contract
-            settings = self.settings(settings)
-        return [
-            wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
-                 megatron_attention.wrap_attention_init(settings),
-                 expect=_expect("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
-                                "(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
-                                "softmax_scale=None, cp_comm_type=None, pg_collection=None)")),
-            wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
-                 megatron_attention.wrap_attention_forward,
-                 expect=_expect("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
-                                "(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
-                                "packed_seq_params=None)")),
-            replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
-                    megatron_attention.pos_emb_on_this_cp_rank,
-                    expect=_expect("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
-                                   "(pos_emb, seq_dim, cp_group)")),
-        ]
+        return megatron_attention.patches(settings)
 
     def configure_transformer_config(self, config, settings) -> None:
         """Nothing to carry: the patches hold the settings, Megatron's config holds the size."""
 
-
-def _expect(target: str, signature: str) -> str:
-    """Shim until this branch's patch manager compares signatures without annotations (the contract): the
-    annotated form of ``target``'s signature when it matches ``signature`` without annotations, else
-    ``signature`` itself so the manager reports the mismatch."""
-    import importlib
-
-    from ascendspeed.patching import describe_signature
-
-    module_name, path = target.split(":")
-    owner = importlib.import_module(module_name)
-    for part in path.split("."):
-        owner = getattr(owner, part)
-    plain = inspect.signature(owner)
-    plain = plain.replace(
-        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in plain.parameters.values()],
-        return_annotation=inspect.Signature.empty,
-    )
-    return describe_signature(owner) if str(plain) == signature else signature

@@ -21,6 +21,7 @@ from ascendspeed.features.context_parallel.ring import ring_attention
 from ascendspeed.features.context_parallel.settings import HYBRID, RING, ULYSSES, ContextParallelSettings
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
+from ascendspeed.patching import Patch, replace, wrap
 
 #: Ring telemetry of this process with ``--log-cp-ring-overlap`` (every layer adds to it); reset it to
 #: measure a window, read ``TELEMETRY.summary()``.
@@ -170,3 +171,22 @@ def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> to
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
     return layout.split_for_rank(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
+
+
+def patches(settings: ContextParallelSettings) -> list[Patch]:
+    return [
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
+             wrap_attention_init(settings),
+             expect="(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
+                    "softmax_scale=None, cp_comm_type=None, pg_collection=None)",
+             name="context parallel: local attention built under context parallelism gets its algorithm"),
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+             wrap_attention_forward,
+             expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
+                    "packed_seq_params=None)",
+             name="context parallel: ring / Ulysses / hybrid core attention"),
+        replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+                pos_emb_on_this_cp_rank,
+                expect="(pos_emb, seq_dim, cp_group)",
+                name="context parallel: RoPE's balanced slice on any device"),
+    ]
