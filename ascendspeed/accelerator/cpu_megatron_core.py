@@ -89,6 +89,9 @@ def batched_p2p_ops(
 def _wrap_deallocate_output_tensor(original):
     @functools.wraps(original)
     def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        if out is not None and not isinstance(out, torch.Tensor):
+            # megatron-core 0.17+ takes lists and dicts of tensors and recurses through this wrapper.
+            return original(out, deallocate_pipeline_outputs)
         in_flight = out.data if (out is not None and deallocate_pipeline_outputs) else None
         original(out, deallocate_pipeline_outputs)
         if in_flight is not None:

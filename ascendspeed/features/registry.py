@@ -5,5 +5,6 @@ FEATURE_MODULES = (
     "ascendspeed.features.fused_swiglu",
     "ascendspeed.features.local_norm",
     "ascendspeed.features.fused_rope",
+    "ascendspeed.features.reuse_fp32_param",
     "ascendspeed.features.context_parallel",
 )

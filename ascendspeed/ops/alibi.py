@@ -16,7 +16,9 @@ with a KV cache or chunked prefill.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -36,9 +38,17 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     ``c = 2^floor(log2 n)`` of those are followed by every other slope of the ``2c`` series,
     which keeps the slopes spread between 2^-8 and 1 (the paper's reference code does the same).
     """
+    num_heads = _integer("alibi_slopes", "num_heads", num_heads)
     if num_heads < 1:
         raise ValueError(f"ALiBi needs at least one attention head, got {num_heads}")
     return torch.tensor(_slopes(num_heads), dtype=torch.float32)
+
+
+def _integer(function: str, name: str, value) -> int:
+    """``value`` as an int; a bool or a float (even a whole one) is refused rather than converted."""
+    if isinstance(value, (bool, float)) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{function}: {name} must be an int, got {type(value).__name__} {value!r}")
+    return operator.index(value)
 
 
 def _geometric_slopes(count: int) -> list[float]:
@@ -93,29 +103,43 @@ def alibi_bias_(
     """
     if q_offset is None:
         q_offset = scores.size(-1) - scores.size(-2)
-    torch.ops.ascendspeed.alibi_bias_(scores, slopes, int(q_offset), bool(symmetric))
+    else:
+        q_offset = _integer("alibi_bias_", "q_offset", q_offset)
+    torch.ops.ascendspeed.alibi_bias_(scores, slopes, q_offset, bool(symmetric))
     return scores
 
 
+# register_autograd only takes functional operators, and this one writes to ``scores``; so its
+# Autograd kernel is registered with the low-level Library.impl. d(scores + bias)/d(scores) is the
+# identity, so the autograd graph stays as it is: scores keep their grad_fn, and only the version counter
+# moves, so that anything saved for backward and overwritten here is reported by autograd instead of
+# silently used. What torch's own in-place ops refuse under autograd is refused here too.
 def _alibi_bias_autograd(scores, slopes, q_offset=0, symmetric=False):
-    # d(scores + bias)/d(scores) is the identity, so the autograd graph stays as it is: scores keep
-    # their grad_fn, and only the version counter moves so that anything saved for backward and
-    # overwritten here is reported by autograd instead of silently used.
-    if slopes.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("alibi_bias_: ALiBi slopes are fixed, they cannot require grad")
-    if scores.is_leaf and scores.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("alibi_bias_: a leaf tensor that requires grad cannot be modified in place")
+    if torch.is_grad_enabled():
+        if slopes.requires_grad:
+            raise RuntimeError("alibi_bias_: ALiBi slopes are fixed, they cannot require grad; pass slopes.detach()")
+        if scores.is_leaf and scores.requires_grad:
+            raise RuntimeError("alibi_bias_: a leaf tensor that requires grad cannot be modified in place; "
+                               "add the bias to a computed tensor (e.g. scores * scale) or clone() it first")
+        base = scores._base if scores._is_view() else None
+        if base is not None and base.is_leaf and base.requires_grad:
+            raise RuntimeError("alibi_bias_: scores is a view of a leaf tensor that requires grad, which cannot be "
+                               "modified in place; clone() it first")
     with torch._C._AutoDispatchBelowAutograd():
         torch.ops.ascendspeed.alibi_bias_(scores, slopes, q_offset, symmetric)
     torch.autograd.graph.increment_version(scores)
 
 
-def _alibi_bias_fake(scores, slopes, q_offset=0, symmetric=False):
-    return None
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with the sizes, strides and dtype of ``t`` (so overlapping scores stay overlapping)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def _alibi_bias_reference(scores, slopes, q_offset=0, symmetric=False):
-    """Devices without a kernel: one head at a time, so only a [sq, sk] distance table is built."""
+    """Devices without a C++ kernel (CUDA, NPU): the C++ argument check through the Meta kernel, then the
+    bias one head at a time, so only a [sq, sk] distance table is built. (Slopes on the CPU serve any
+    device here: they are read as Python floats.)"""
+    torch.ops.ascendspeed.alibi_bias_(_meta(scores), _meta(slopes), q_offset, symmetric)
     sq, sk = scores.shape[-2:]
     distance = (
         torch.arange(q_offset, q_offset + sq, device=scores.device, dtype=torch.float32)[:, None]
@@ -131,8 +155,8 @@ def _alibi_bias_reference(scores, slopes, q_offset=0, symmetric=False):
 
 _LIBRARY = torch.library.Library("ascendspeed", "IMPL")
 _LIBRARY.impl("alibi_bias_", _alibi_bias_autograd, "Autograd")
-_LIBRARY.impl("alibi_bias_", _alibi_bias_reference, "CompositeExplicitAutograd")
-torch.library.register_fake("ascendspeed::alibi_bias_", _alibi_bias_fake)
+for _device in ("cuda", "npu") if importlib.util.find_spec("torch_npu") else ("cuda",):
+    torch.library.register_kernel("ascendspeed::alibi_bias_", _device, _alibi_bias_reference)
 
 
 def alibi_attention(

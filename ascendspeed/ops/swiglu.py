@@ -7,7 +7,12 @@ The gate ``a`` is the first half, as in Megatron's ``torch.chunk(x, 2, -1)``. On
   fp32 math for bfloat16 / float16);
 * NPU (only where ``torch_npu`` imports): torch_npu's ``npu_swiglu`` and its backward;
 * CUDA: the reference composition, computed in fp32 for reduced precision;
-* Meta / FakeTensor: shapes and strides only, so ``torch.compile`` keeps the operator in its graph.
+* Meta / FakeTensor: the C++ Meta kernel (shapes and strides only), so ``torch.compile`` keeps the
+  operator in its graph.
+
+Arguments are checked in one place, the C++ ``check_swiglu`` / ``check_swiglu_backward``, which both the
+CPU and the Meta kernel call; the CUDA and NPU kernels here run the Meta kernel on meta stand-ins of
+their arguments first, and take the output's layout from it.
 
 Autograd saves only ``x``: the backward operator ``ascendspeed::swiglu_backward(grad_y, x, dim)``
 recomputes the sigmoid instead of keeping it (Megatron's eager composition keeps half an input more).
@@ -17,7 +22,6 @@ inputs are not copied); other non-contiguous inputs are copied once.
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +31,6 @@ from ascendspeed.ops._extension import load_extension
 __all__ = ["swiglu", "swiglu_reference", "NPU_KERNELS"]
 
 load_extension()  # defines the two operators and their CPU kernels
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``silu(a) * b`` for ``a, b = x.chunk(2, dim)``; differentiable, saving only ``x`` for backward.
@@ -44,78 +45,6 @@ def swiglu_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Megatron's composition, which the fused operator replaces (and must match)."""
     a, b = torch.chunk(x, 2, dim)
     return F.silu(a) * b
-
-
-# -- argument checks and layout, mirroring ascendspeed/csrc/swiglu/swiglu.cpp --------------------------
-def _check(x: torch.Tensor, dim: int) -> int:
-    """The wrapped split dimension; the same errors as the C++ kernel, for the Python kernels."""
-    if x.dim() == 0:
-        raise ValueError("swiglu: x must have at least one dimension, got a 0-d tensor")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"swiglu: x must be float32, bfloat16, float16 or float64, got {x.dtype}")
-    if not -x.dim() <= dim < x.dim():
-        raise IndexError(
-            f"swiglu: dim={dim} is out of range for x with {x.dim()} dimension(s) "
-            f"(expected {-x.dim()} <= dim <= {x.dim() - 1})"
-        )
-    wrapped = dim % x.dim()
-    if x.shape[wrapped] % 2:
-        raise ValueError(
-            "swiglu: x.size(dim) must be even to split x into gate and value halves, "
-            f"got x.size({dim}) = {x.shape[wrapped]}"
-        )
-    return wrapped
-
-
-def _memory_order(x: torch.Tensor) -> Optional[list[int]]:
-    """Dimensions of ``x`` from outermost to innermost in memory if ``x`` is dense in that order."""
-    order = list(range(x.dim()))
-    if x.is_contiguous():
-        return order
-    order.sort(key=lambda d: -x.stride(d))  # stable, like the C++ std::stable_sort
-    return order if x.permute(order).is_contiguous() else None
-
-
-def _dense_strides(sizes, order: list[int]) -> list[int]:
-    strides = [0] * len(sizes)
-    stride = 1
-    for d in reversed(order):
-        strides[d] = stride
-        stride *= max(sizes[d], 1)
-    return strides
-
-
-def _layout(x: torch.Tensor, dim: int) -> tuple[int, list[int]]:
-    """The wrapped dim and the memory order outputs get (row-major when ``x`` is not dense)."""
-    wrapped = _check(x, dim)
-    return wrapped, _memory_order(x) or list(range(x.dim()))
-
-
-def _check_grad(grad_y: torch.Tensor, x: torch.Tensor, wrapped: int) -> None:
-    expected = list(x.shape)
-    expected[wrapped] //= 2
-    if list(grad_y.shape) != expected:
-        raise ValueError(
-            f"swiglu_backward: grad_y must have the shape of swiglu(x, dim) {expected}, got {list(grad_y.shape)}"
-        )
-    if grad_y.dtype != x.dtype:
-        raise TypeError(f"swiglu_backward: grad_y must have the dtype of x ({x.dtype}), got {grad_y.dtype}")
-
-
-# -- fake kernels: what torch.compile and the meta device see -------------------------------------------
-@torch.library.register_fake("ascendspeed::swiglu")
-def _swiglu_fake(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    wrapped, order = _layout(x, dim)
-    sizes = list(x.shape)
-    sizes[wrapped] //= 2
-    return x.new_empty_strided(sizes, _dense_strides(sizes, order))
-
-
-@torch.library.register_fake("ascendspeed::swiglu_backward")
-def _swiglu_backward_fake(grad_y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    wrapped, order = _layout(x, dim)
-    _check_grad(grad_y, x, wrapped)
-    return x.new_empty_strided(x.shape, _dense_strides(x.shape, order))
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
@@ -162,18 +91,17 @@ torch.library.register_autograd(
 
 
 # -- kernels of other devices -----------------------------------------------------------------------------
-def _in_memory_order(kernel: Callable, x: torch.Tensor, dim: int, grad_y: Optional[torch.Tensor] = None):
-    """Run a kernel for contiguous inputs on ``x`` seen in its memory order, so its result has the
-    layout the fake kernel promises (and a dense ``x`` is not copied)."""
-    wrapped, order = _layout(x, dim)
-    if grad_y is not None:
-        _check_grad(grad_y, x, wrapped)
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    xp = x.permute(order).contiguous()
-    dp = order.index(wrapped)
-    if grad_y is None:
-        return kernel(xp, dp).permute(inverse)
-    return kernel(grad_y.permute(order).contiguous(), xp, dp).permute(inverse)
+# These kernels run the Meta kernel on meta stand-ins of their arguments: the one argument check, and the
+# output layout. (A grad_y on another device than x fails in torch's own ops below.)
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with the sizes, strides and dtype of ``t``."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _into_layout(layout: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` in a new tensor with the strides of ``layout`` (the Meta kernel's answer)."""
+    out = torch.empty_strided(layout.shape, layout.stride(), dtype=values.dtype, device=values.device)
+    return out.copy_(values)
 
 
 def _composite_forward(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -192,33 +120,37 @@ def _composite_backward(grad_y: torch.Tensor, x: torch.Tensor, dim: int) -> torc
 
 
 def _reference_swiglu_kernel(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return _in_memory_order(_composite_forward, x, dim)
+    layout = torch.ops.ascendspeed.swiglu(_meta(x), dim)
+    return _into_layout(layout, _composite_forward(x, dim))
 
 
 def _reference_swiglu_backward_kernel(grad_y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return _in_memory_order(_composite_backward, x, dim, grad_y)
+    layout = torch.ops.ascendspeed.swiglu_backward(_meta(grad_y), _meta(x), dim)
+    return _into_layout(layout, _composite_backward(grad_y, x, dim))
 
 
-_LIB = torch.library.Library("ascendspeed", "IMPL")  # keeps the Python kernels registered
-_LIB.impl("swiglu", _reference_swiglu_kernel, "CUDA")
-_LIB.impl("swiglu_backward", _reference_swiglu_backward_kernel, "CUDA")
+torch.library.register_kernel("ascendspeed::swiglu", "cuda", _reference_swiglu_kernel)
+torch.library.register_kernel("ascendspeed::swiglu_backward", "cuda", _reference_swiglu_backward_kernel)
 
 
 def _register_npu_kernels() -> bool:
-    """torch_npu is optional: the NPU (PrivateUse1) kernels exist only where it imports."""
+    """torch_npu is optional: the NPU kernels exist only where it imports (it names the device "npu")."""
     try:
         torch_npu = importlib.import_module("torch_npu")
     except ImportError:
         return False
 
     def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return _in_memory_order(lambda xp, d: torch_npu.npu_swiglu(xp, dim=d), x, dim)
+        layout = torch.ops.ascendspeed.swiglu(_meta(x), dim)
+        return _into_layout(layout, torch_npu.npu_swiglu(x.contiguous(), dim=dim))
 
     def npu_swiglu_backward(grad_y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return _in_memory_order(lambda g, xp, d: torch.ops.npu.npu_swiglu_backward(g, xp, d), x, dim, grad_y)
+        layout = torch.ops.ascendspeed.swiglu_backward(_meta(grad_y), _meta(x), dim)
+        grad_x = torch.ops.npu.npu_swiglu_backward(grad_y.contiguous(), x.contiguous(), dim)
+        return _into_layout(layout, grad_x)
 
-    _LIB.impl("swiglu", npu_swiglu, "PrivateUse1")
-    _LIB.impl("swiglu_backward", npu_swiglu_backward, "PrivateUse1")
+    torch.library.register_kernel("ascendspeed::swiglu", "npu", npu_swiglu)
+    torch.library.register_kernel("ascendspeed::swiglu_backward", "npu", npu_swiglu_backward)
     return True
 
 

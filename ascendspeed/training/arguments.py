@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 from typing import Optional, Sequence
 
 from ascendspeed.features import FeatureArgumentError, add_feature_arguments, all_features, validate_features
+from ascendspeed.training.data import parse_split
 
 
 #: Megatron-LM fusions implemented by optional libraries (apex, Transformer Engine, Megatron-LM's CUDA
@@ -74,6 +76,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--context-parallel-size", type=int, default=1,
@@ -114,7 +118,8 @@ def _add_optimizer_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr-decay-style", default="cosine",
                        choices=["constant", "linear", "cosine", "inverse-square-root"])
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    group.add_argument("--lr-warmup-iters", type=int, default=20)
+    group.add_argument("--lr-warmup-iters", type=int, default=None,
+                       help="default 20, at most a tenth of --lr-decay-iters (so a short run needs no flag)")
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
     group.add_argument("--weight-decay", type=float, default=0.1)
     group.add_argument("--clip-grad", type=float, default=1.0)
@@ -142,6 +147,18 @@ def _add_data_and_logging_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
+    group.add_argument("--allow-fresh-start", action="store_true",
+                       help="start from scratch when --load holds no checkpoint yet (job scripts that always "
+                            "pass --load); without it, a --load that finds nothing is an error")
+    schedule = group.add_mutually_exclusive_group()
+    schedule.add_argument("--override-opt_param-scheduler", action="store_true",
+                          help="on resume, follow this run's --lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, "
+                               "--lr-decay-style and --weight-decay instead of the checkpoint's")
+    schedule.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                          help="on resume, keep the checkpoint's learning-rate schedule and ignore those flags")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="keep training when the loss or gradient norm is NaN or infinite (default: stop)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,79 +183,121 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> argparse.Namespace:
-    """Fill derived values (as Megatron-LM's ``validate_args`` does) and reject inconsistent settings."""
-    def require(condition: bool, message: str) -> None:
-        if not condition:
-            raise FeatureArgumentError(message)
+#: Sizes and counts that must be positive: flag -> destination. Checked before anything is derived from
+#: them, so a 0 is reported with its flag instead of as a ZeroDivisionError or a shape error in the model.
+POSITIVE = {
+    "--num-layers": "num_layers",
+    "--hidden-size": "hidden_size",
+    "--ffn-hidden-size": "ffn_hidden_size",
+    "--num-attention-heads": "num_attention_heads",
+    "--num-query-groups": "num_query_groups",
+    "--kv-channels": "kv_channels",
+    "--seq-length": "seq_length",
+    "--max-position-embeddings": "max_position_embeddings",
+    "--make-vocab-size-divisible-by": "make_vocab_size_divisible_by",
+    "--tensor-model-parallel-size": "tensor_model_parallel_size",
+    "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
+    "--context-parallel-size": "context_parallel_size",
+    "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
+    "--distributed-timeout-minutes": "distributed_timeout_minutes",
+    "--micro-batch-size": "micro_batch_size",
+    "--global-batch-size": "global_batch_size",
+    "--train-iters": "train_iters",
+    "--lr-decay-iters": "lr_decay_iters",
+    "--log-interval": "log_interval",
+    "--eval-iters": "eval_iters",
+    "--save-interval": "save_interval",
+    "--hysteresis": "hysteresis",
+    "--norm-epsilon": "norm_epsilon",
+    "--adam-eps": "adam_eps",
+    "--initial-loss-scale": "initial_loss_scale",
+    "--min-loss-scale": "min_loss_scale",
+    "--loss-scale-window": "loss_scale_window",
+    "--loss-scale": "loss_scale",
+    "--rotary-base": "rotary_base",
+}
 
+#: Values that may be 0 but not negative (``--eval-interval 0`` switches periodic validation off,
+#: ``--clip-grad 0`` switches clipping off, as in Megatron-LM).
+NON_NEGATIVE = {
+    "--lr": "lr",
+    "--min-lr": "min_lr",
+    "--lr-warmup-iters": "lr_warmup_iters",
+    "--lr-warmup-init": "lr_warmup_init",
+    "--weight-decay": "weight_decay",
+    "--clip-grad": "clip_grad",
+    "--init-method-std": "init_method_std",
+    "--sgd-momentum": "sgd_momentum",
+    "--eval-interval": "eval_interval",
+}
+
+_PROBABILITY = ("[0, 1)", lambda value: 0 <= value < 1)
+_SHARE = ("(0, 1]", lambda value: 0 < value <= 1)
+
+#: Probabilities and shares: flag -> (destination, interval, test).
+FRACTIONS = {
+    "--attention-dropout": ("attention_dropout", *_PROBABILITY),
+    "--hidden-dropout": ("hidden_dropout", *_PROBABILITY),
+    "--adam-beta1": ("adam_beta1", *_PROBABILITY),
+    "--adam-beta2": ("adam_beta2", *_PROBABILITY),
+    "--rotary-percent": ("rotary_percent", *_SHARE),
+}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise FeatureArgumentError(message)
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every size, count, rate and probability on its own: finite and in range (None means "default")."""
+    for flag, dest in {**POSITIVE, **NON_NEGATIVE}.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        _require(math.isfinite(value), f"{flag} must be a finite number, got {value}")
+        if flag in POSITIVE:
+            _require(value > 0, f"{flag} must be positive, got {value}")
+        else:
+            _require(value >= 0, f"{flag} must not be negative, got {value}")
+    for flag, (dest, interval, inside) in FRACTIONS.items():
+        value = getattr(args, dest)
+        _require(inside(value), f"{flag} must be in {interval}, got {value}")
+    _require(all(length > 0 for length in args.eval_seq_lengths or []), "--eval-seq-lengths must be positive")
+    parse_split(args.split)
+
+
+def _lr_warmup_default(decay_iters: int) -> int:
+    """Warm up over 20 iterations, but never more than a tenth of the decay: ``--train-iters 8`` alone runs."""
+    return min(20, decay_iters // 10)
+
+
+def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> argparse.Namespace:
+    """Check every flag and fill the derived values, as Megatron-LM's ``validate_args`` does.
+
+    This is the entry's one argument validation: ranges first (``check_ranges``), then the consistency of
+    the parallel layout, the model shape and the schedule. Features check their own flags in their
+    ``validate`` (run after this by ``parse_args``). Raises ``FeatureArgumentError`` naming the flags.
+    """
+    check_ranges(args)
     args.world_size = world_size
     args.device = device
-    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                      * args.context_parallel_size)
-    require(world_size % model_parallel == 0,
-            f"world size {world_size} is not divisible by tensor ({args.tensor_model_parallel_size}) x "
-            f"pipeline ({args.pipeline_model_parallel_size}) x context ({args.context_parallel_size}) parallel size")
-    args.data_parallel_size = world_size // model_parallel
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
+             f"parallel size")
+    args.data_parallel_size = world_size // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
-    require(args.global_batch_size % per_step == 0,
-            f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    _require(args.global_batch_size % per_step == 0,
+             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
-
-    require(args.num_layers % args.pipeline_model_parallel_size == 0,
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size")
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        layers_per_stage = args.num_layers // args.pipeline_model_parallel_size
-        require(args.pipeline_model_parallel_size > 1,
-                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        require(layers_per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
-                f"{layers_per_stage} layers per pipeline stage are not divisible by "
-                f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
-        virtual_stages = layers_per_stage // args.num_layers_per_virtual_pipeline_stage
-        if virtual_stages > 1:
-            args.virtual_pipeline_model_parallel_size = virtual_stages
-            require(args.num_microbatches % args.pipeline_model_parallel_size == 0,
-                    f"the interleaved pipeline schedule needs the number of micro-batches ({args.num_microbatches}) "
-                    f"to be a multiple of --pipeline-model-parallel-size; raise --global-batch-size")
-    require(args.num_attention_heads % args.tensor_model_parallel_size == 0,
-            "--num-attention-heads is not divisible by --tensor-model-parallel-size")
-    require(args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
-            "--hidden-size is not divisible by --num-attention-heads; set --kv-channels")
-    if args.kv_channels is None:
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if not args.group_query_attention:
-        args.num_query_groups = args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
-        if args.swiglu:
-            args.ffn_hidden_size = int(args.ffn_hidden_size * 2 / 3) // 64 * 64 or 64
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    require(args.position_embedding_type != "learned_absolute" or args.seq_length <= args.max_position_embeddings,
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
-    if args.tensor_model_parallel_size == 1:
-        args.sequence_parallel = False
-    require(not args.sequence_parallel or importlib.util.find_spec("apex") is not None,
-            "--sequence-parallel needs apex's fused LayerNorm: megatron-core's torch norms refuse it")
-
-    require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
-    require(args.train_iters > 0, "--train-iters must be positive")
-    require(args.log_interval > 0, "--log-interval must be positive")
-    require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    require(args.lr_warmup_iters < args.lr_decay_iters,
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
-            f"(default --train-iters)")
-    if args.eval_seq_lengths is None:
-        args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
-    require(all(length > 0 for length in args.eval_seq_lengths), "--eval-seq-lengths must be positive")
-    require(all(length % (2 * args.context_parallel_size) == 0 for length in args.eval_seq_lengths),
-            f"--eval-seq-lengths must divide by 2 x --context-parallel-size = {2 * args.context_parallel_size}")
+    _finalize_pipeline(args)
+    _finalize_model_shape(args)
+    _finalize_schedule(args)
 
     if not args.add_bias_linear:
         args.bias_gelu_fusion = False
@@ -251,6 +310,78 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
     elif args.distributed_backend is None:
         args.distributed_backend = {"cuda": "nccl", "npu": "hccl"}[device]
     return args
+
+
+def _finalize_pipeline(args: argparse.Namespace) -> None:
+    pp = args.pipeline_model_parallel_size
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return
+    layers_per_stage = args.num_layers // pp
+    _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    _require(layers_per_stage % args.num_layers_per_virtual_pipeline_stage == 0,
+             f"{layers_per_stage} layers per pipeline stage are not divisible by "
+             f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage}")
+    virtual_stages = layers_per_stage // args.num_layers_per_virtual_pipeline_stage
+    if virtual_stages > 1:
+        args.virtual_pipeline_model_parallel_size = virtual_stages
+        _require(args.num_microbatches % pp == 0,
+                 f"the interleaved pipeline schedule needs the number of micro-batches ({args.num_microbatches}) "
+                 f"to be a multiple of --pipeline-model-parallel-size; raise --global-batch-size")
+
+
+def _finalize_model_shape(args: argparse.Namespace) -> None:
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    _require(heads % tp == 0,
+             f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}")
+    _require(args.hidden_size % heads == 0 or args.kv_channels is not None,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}; set --kv-channels")
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // heads
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        _require(heads % groups == 0,
+                 f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}: every query "
+                 f"group needs the same number of heads")
+        _require(groups % tp == 0,
+                 f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    else:
+        args.num_query_groups = heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+        if args.swiglu:
+            args.ffn_hidden_size = int(args.ffn_hidden_size * 2 / 3) // 64 * 64 or 64
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.position_embedding_type != "learned_absolute" or args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if tp == 1:
+        args.sequence_parallel = False
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: --seq-length "
+             f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
+    _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
+    if args.eval_seq_lengths is None:
+        args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
+    cp = args.context_parallel_size
+    _require(all(length % (2 * cp) == 0 for length in args.eval_seq_lengths),
+             f"--eval-seq-lengths must divide by 2 x --context-parallel-size = {2 * cp}")
+
+
+def _finalize_schedule(args: argparse.Namespace) -> None:
+    _require(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = _lr_warmup_default(args.lr_decay_iters)
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+             f"(default --train-iters)")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,

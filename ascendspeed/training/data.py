@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+
+from ascendspeed.training.errors import DataError
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "pride_and_prejudice.txt.gz"
 
@@ -40,17 +43,58 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: 
     return -(-vocab_size // multiple) * multiple
 
 
+def _read_file(path: Path) -> bytes:
+    if not path.exists():
+        raise DataError(f"--data-path: no such file: {path}")
+    if not path.is_file():
+        raise DataError(f"--data-path: {path} is not a file; name the text files themselves")
+    try:
+        if path.suffix != ".gz":
+            return path.read_bytes()
+        with gzip.open(path, "rb") as handle:
+            return handle.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as cause:
+        raise DataError(f"--data-path: {path} is not a complete gzip file ({type(cause).__name__}: {cause}); it is "
+                        f"truncated or damaged: fetch it again (`gzip -t {path}` checks it), or, if it is plain "
+                        f"text, rename it without .gz") from cause
+    except OSError as cause:
+        raise DataError(f"--data-path: cannot read {path}: {cause}") from cause
+
+
 def read_text(paths: Optional[Sequence[str]] = None) -> bytes:
-    """The bytes of ``paths`` (``.gz`` files are decompressed), joined by a blank line; the novel if none."""
+    """The bytes of ``paths`` (``.gz`` files are decompressed), joined by a blank line; the novel if none.
+
+    Raises ``DataError`` naming the file for a missing, unreadable, damaged or empty file.
+    """
     files = [Path(p) for p in paths] if paths else [DEFAULT_TEXT]
     parts = []
     for path in files:
-        if not path.is_file():
-            raise FileNotFoundError(f"--data-path: no such file: {path}")
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as handle:
-            parts.append(handle.read())
+        data = _read_file(path)
+        if not data:
+            raise DataError(f"--data-path: {path} is empty{' after decompression' if path.suffix == '.gz' else ''}; "
+                            f"give a file with text in it")
+        parts.append(data)
     return b"\n\n".join(parts)
+
+
+def check_text_suffices(splits: "TextSplits", args, data_parallel_size: int) -> None:
+    """Before the model is built: the training part holds one window of ``--seq-length + 1`` bytes, and
+    the validation part one per data-parallel rank (what periodic validation needs at the least)."""
+    source = f"--data-path {' '.join(args.data_path)}" if args.data_path else f"the embedded {DEFAULT_TEXT.name}"
+    need = args.seq_length + 1
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    windows = eval_windows(splits.valid, args.seq_length)
+    plan = EvalPlan.fit(len(windows), args.micro_batch_size, data_parallel_size,
+                        args.pipeline_model_parallel_size if interleaved else 1)
+    if len(splits.train) < need:
+        part = f"its training part has {len(splits.train):,} bytes, fewer than one sequence ({need} bytes)"
+    elif plan is None:
+        part = (f"its validation part has {len(splits.valid):,} bytes: {len(windows)} sequence(s), while "
+                f"{data_parallel_size} data-parallel rank(s) need at least one each")
+    else:
+        return
+    raise DataError(f"{source} is too short for --seq-length {args.seq_length} and --split {args.split}: {part}. "
+                    f"Give more text, a smaller --seq-length, or a --split with a larger share for that part")
 
 
 def parse_split(split: str) -> tuple[float, float]:
@@ -114,7 +158,7 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
 def _window_starts(num_tokens: int, seq_length: int, count: int, seed: int, iteration: int) -> torch.Tensor:
     """Random window offsets for one iteration, the same on every rank (each rank then takes its share)."""
     if num_tokens < seq_length + 1:
-        raise ValueError(f"training text has {num_tokens} tokens, fewer than --seq-length + 1 = {seq_length + 1}")
+        raise DataError(f"training text has {num_tokens} tokens, fewer than --seq-length + 1 = {seq_length + 1}")
     generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
     return torch.randint(0, num_tokens - seq_length, (count,), generator=generator)
 

@@ -94,10 +94,15 @@ def _gpt_chunk(args: argparse.Namespace, config: TransformerConfig, vp_stage) ->
 
 
 def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """Megatron-LM's DDP settings: gradient buckets only when their reduction overlaps the backward pass
-    (otherwise one reduction after it), sized like Megatron-LM's unless ``--ddp-bucket-size`` is given."""
+    """The one builder of the ``DistributedDataParallelConfig`` that Megatron-LM's flags describe.
+
+    Reads ``args.accumulate_allreduce_grads_in_fp32``, ``overlap_grad_reduce``, ``use_distributed_optimizer``,
+    ``ddp_average_in_collective`` and ``ddp_bucket_size`` (elements; None: Megatron-LM's
+    ``max(4e7, 1e6 * data-parallel size)``, which needs model parallelism initialised). Gradients are bucketed
+    only when their reduction overlaps the backward pass; otherwise one reduction runs after it.
+    """
     bucket_size = args.ddp_bucket_size
-    if bucket_size is None:
+    if bucket_size is None and args.overlap_grad_reduce:
         bucket_size = max(40_000_000, 1_000_000 * parallel_state.get_data_parallel_world_size())
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
@@ -157,7 +162,12 @@ def build_optimizer(args: argparse.Namespace, model: list[DistributedDataParalle
 
 
 def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
-    """Learning rate per iteration (Megatron-LM counts samples; one step here is one iteration)."""
+    """Learning rate per iteration (Megatron-LM counts samples; one step here is one iteration).
+
+    On resume ``checkpointing.load_checkpoint`` has already refused schedule flags that differ from the
+    checkpoint unless ``--override-opt_param-scheduler`` (flags win) or ``--use-checkpoint-opt_param-scheduler``
+    (checkpoint wins) says which one wins; the scheduler then takes the winner's values.
+    """
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
@@ -170,6 +180,8 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters,
         wd_incr_style="constant",
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
     )
 
 

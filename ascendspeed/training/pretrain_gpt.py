@@ -2,9 +2,15 @@
 
 Without flags it trains the embedded default job: a small byte-level GPT on a public-domain novel
 shipped with the package, then reports validation perplexity. See docs/training.md.
+
+Exit status: 0 when training finished, 2 for a usage error (a flag out of range or inconsistent), 1 when
+the run had to stop (``TrainingError``: diverged, checkpoint unreadable or unwritable, data too short);
+the message names the file or flag and what to do.
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Optional, Sequence
 
@@ -17,9 +23,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed", category=UserWarning)
     warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
     from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.errors import TrainingError
     from ascendspeed.training.trainer import train
 
-    train(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        train(args)
+    except TrainingError as error:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None and args.world_size > 1 else ""
+        print(f"{prefix}pretrain_gpt: error: {error}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -19,17 +19,19 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from ascendspeed.features import all_features, apply_features
-from ascendspeed.training import checkpointing
+from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
     EvalPlan,
     TextSplits,
+    check_text_suffices,
     eval_microbatches,
     eval_windows,
     read_text,
     train_microbatches,
 )
+from ascendspeed.training.errors import CheckpointError, DivergenceError
 from ascendspeed.training.initialize import initialize_parallel, teardown
 from ascendspeed.training.model import (
     build_config,
@@ -71,6 +73,8 @@ class TrainResult:
     num_parameters: int
     features: list[str]
     checkpoint: Optional[str] = None
+    memory_account: Optional[memory.MemoryAccount] = None
+    peak_resident_bytes: int = 0
 
 
 def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
@@ -107,17 +111,34 @@ def _iterators(batches: list[Batch], model: list):
     return [iter(batches) for _ in model]
 
 
-def _wire_schedule_hooks(args: argparse.Namespace, config, model: list, optimizer) -> None:
-    """The hooks Megatron-LM's ``setup_model_and_optimizer`` installs for the pipeline schedules."""
+def wire_schedule_hooks(config, model: list, optimizer, *, overlap_grad_reduce: bool,
+                        align_grad_reduce: bool) -> None:
+    """Set the hooks megatron-core's pipeline schedules call, as Megatron-LM's ``setup_model_and_optimizer``
+    does; the one place that wires them.
+
+    ``config``: the ``TransformerConfig`` the schedules read; ``model``: the DDP-wrapped chunks (one per
+    virtual pipeline stage); ``optimizer``: its ``scale_loss`` scales the loss (fp16). With
+    ``overlap_grad_reduce`` the schedule suspends gradient synchronisation between micro-batches
+    (``no_sync``); with ``align_grad_reduce`` as well, it starts each chunk's reduction itself when that
+    chunk's last backward is done (``start_grad_sync``).
+    """
     def one_or_list(functions):
         return functions[0] if len(functions) == 1 else functions
 
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    if args.overlap_grad_reduce:
+    if overlap_grad_reduce:
         config.no_sync_func = one_or_list([chunk.no_sync for chunk in model])
-        if args.align_grad_reduce:
+        if align_grad_reduce:
             config.grad_sync_func = one_or_list([chunk.start_grad_sync for chunk in model])
+
+
+def _all_finite(model: list, device: torch.device) -> bool:
+    """Whether every parameter of every rank is finite (collective over the whole job)."""
+    local = all(bool(torch.isfinite(param).all()) for chunk in model for param in chunk.parameters())
+    flag = torch.tensor([0.0 if local else 1.0], device=device)
+    dist.all_reduce(flag)
+    return flag.item() == 0.0
 
 
 class Evaluator:
@@ -177,21 +198,45 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, device: torch.device):
         self.args = args
         self.device = device
+        if args.save:
+            checkpointing.check_save_directory(args)
         self.splits = TextSplits.from_bytes(read_text(args.data_path), args.split)
+        check_text_suffices(self.splits, args, data_parallel_size=parallel_state.get_data_parallel_world_size())
         self.config = build_config(args)
         self.model = build_model(args, self.config, device)
         self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
-        _wire_schedule_hooks(args, self.config, self.model, self.optimizer)
+        wire_schedule_hooks(self.config, self.model, self.optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+                            align_grad_reduce=args.align_grad_reduce)
+        self.memory: Optional[memory.MemoryAccount] = None  # measured after the first step (see run)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(args, self.model, self.splits.valid, device)
         self.iteration = 0
         if args.load:
-            self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler)
-            if self.iteration:
-                print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
-            else:
-                print_rank_0(f"no checkpoint in {args.load}: starting from scratch")
+            self._resume()
+        if args.save:
+            self._refuse_rolling_back(args.save)
+
+    def _resume(self) -> None:
+        args = self.args
+        self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler)
+        if not self.iteration:
+            print_rank_0(f"no checkpoint in {args.load}: starting from scratch (--allow-fresh-start)")
+            return
+        print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
+        if self.iteration == args.train_iters:
+            print_rank_0(f"the checkpoint already reached --train-iters {args.train_iters}: nothing to train, "
+                         f"only validating it; raise --train-iters to continue training")
+
+    def _refuse_rolling_back(self, directory: str) -> None:
+        """A run whose saves would land below the newest checkpoint already in ``--save`` would move that
+        directory's tracker backwards and replace its files (a mistyped ``--load`` did exactly that)."""
+        newest = checkpointing.latest_iteration(directory)
+        if newest is not None and newest > self.iteration:
+            raise CheckpointError(
+                f"--save {directory} already holds a checkpoint at iteration {newest}, and this run starts at "
+                f"iteration {self.iteration}: its saves would replace that checkpoint. Resume it with --load "
+                f"{directory}, or choose another --save")
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -240,7 +285,28 @@ class Trainer:
         loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
         return loss, grad_norm, updated
 
+    def _stop_if_diverged(self, loss: float, grad_norm: Optional[float]) -> None:
+        """Megatron-LM's ``--check-for-nan-in-loss-and-grad``: the loss and the gradient norm of an applied
+        update are the same on every rank, so every rank stops together. (An fp16 update skipped for an
+        overflowing gradient is the loss scaler's normal business.)"""
+        bad = [f"loss {loss}"] if not math.isfinite(loss) else []
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            bad.append(f"gradient norm {grad_norm}")
+        if bad:
+            self._diverged(f"iteration {self.iteration}: {' and '.join(bad)}")
+
+    def _diverged(self, what: str) -> None:
+        latest = checkpointing.latest_iteration(self.args.save) if self.args.save else None
+        resume = (f"resume from iteration {latest} (--load {self.args.save} --override-opt_param-scheduler)"
+                  if latest else "restart")
+        raise DivergenceError(
+            f"training diverged at {what}; stopped without saving a checkpoint of it. Lower --lr (now "
+            f"{self.args.lr:g}) or raise --lr-warmup-iters, then {resume}; "
+            f"--no-check-for-nan-in-loss-and-grad trains on regardless")
+
     def save(self) -> str:
+        if self.args.check_for_nan_in_loss_and_grad and not _all_finite(self.model, self.device):
+            self._diverged(f"iteration {self.iteration}: a parameter is no longer finite")
         directory = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
                                                   self.scheduler)
         print_rank_0(f"saved checkpoint {directory}")
@@ -267,6 +333,11 @@ class Trainer:
         while self.iteration < args.train_iters:
             learning_rates.append(self.learning_rate())
             loss, grad_norm, updated = self.train_step()
+            if args.check_for_nan_in_loss_and_grad:
+                self._stop_if_diverged(loss, grad_norm if updated else None)
+            if self.memory is None:  # torch allocates the optimizer state in the first step
+                self.memory = memory.account(self.model, self.optimizer)
+                print_rank_0(self.memory.line())
             losses.append(loss)
             log.record(loss, skipped=not updated)
             done = self.iteration == args.train_iters
@@ -282,6 +353,7 @@ class Trainer:
             validation.append((self.iteration, self.periodic_validation()))
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
+        print_rank_0(memory.peak_line())
         trained = self.iteration - start
         return TrainResult(
             start_iteration=start,
@@ -296,6 +368,8 @@ class Trainer:
             num_parameters=num_parameters,
             features=features,
             checkpoint=checkpoint,
+            memory_account=self.memory,
+            peak_resident_bytes=memory.peak_resident_bytes(),
         )
 
     def _print_header(self, num_parameters: int, features: list[str]) -> None:

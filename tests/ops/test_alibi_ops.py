@@ -140,13 +140,13 @@ def test_bias_kernel_handles_3d_and_strided_scores():
 
 def test_bias_kernel_rejects_bad_arguments():
     scores = torch.zeros(1, 4, 8, 8)
-    with pytest.raises(RuntimeError, match="one slope per head"):
+    with pytest.raises(ValueError, match="one slope per head"):
         alibi_bias_(scores, alibi_slopes(3))
-    with pytest.raises(RuntimeError, match="slopes must be float32"):
+    with pytest.raises(TypeError, match="slopes must be float32"):
         alibi_bias_(scores, alibi_slopes(4).double())
-    with pytest.raises(RuntimeError, match=r"\[heads, sq, sk\]"):
+    with pytest.raises(ValueError, match=r"\[heads, sq, sk\]"):
         alibi_bias_(torch.zeros(8, 8), alibi_slopes(8))
-    with pytest.raises(RuntimeError, match="not exact in fp32"):
+    with pytest.raises(ValueError, match="where fp32 distances are exact"):
         alibi_bias_(scores, alibi_slopes(4), 1 << 24)
 
 

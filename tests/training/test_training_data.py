@@ -4,6 +4,7 @@ import gzip
 import pytest
 import torch
 
+from ascendspeed.training.errors import DataError
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     ByteTokenizer,
@@ -44,7 +45,7 @@ def test_user_files_plain_and_gzip_are_concatenated(tmp_path):
 
 
 def test_missing_file_names_the_flag(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--data-path"):
+    with pytest.raises(DataError, match="--data-path"):
         read_text([str(tmp_path / "nope.txt")])
 
 

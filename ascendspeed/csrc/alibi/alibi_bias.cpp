@@ -12,6 +12,7 @@
 // score before the one rounding back to the score dtype.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -108,24 +109,45 @@ void add_bias_row_strided(
   }
 }
 
-void alibi_bias_cpu_(const at::Tensor& scores, const at::Tensor& slopes, int64_t q_offset, bool symmetric) {
-  TORCH_CHECK(
+// The one argument check of ascendspeed::alibi_bias_, called by the CPU and the Meta kernel (and so by
+// the Python CUDA / NPU kernels, which run the Meta kernel first). Like torch's in-place ops it refuses
+// scores whose elements share memory (an expanded tensor would receive the bias several times).
+void check_alibi_bias(const at::Tensor& scores, const at::Tensor& slopes, int64_t q_offset) {
+  TORCH_CHECK_VALUE(
       scores.dim() == 3 || scores.dim() == 4,
-      "alibi_bias_: scores must be [heads, sq, sk] or [batch, heads, sq, sk], got shape ", scores.sizes());
+      "alibi_bias_: scores must be [heads, sq, sk] or [batch, heads, sq, sk], got shape ", scores.sym_sizes());
+  TORCH_CHECK_TYPE(
+      at::isFloatingType(scores.scalar_type()),
+      "alibi_bias_: scores must be float32, bfloat16, float16 or float64, got ", scores.scalar_type());
+  const c10::SymInt& heads = scores.sym_size(-3);
+  TORCH_CHECK_VALUE(
+      slopes.dim() == 1 && slopes.sym_size(0) == heads,
+      "alibi_bias_: slopes must be a vector of one slope per head (", heads, "), got shape ", slopes.sym_sizes());
+  TORCH_CHECK_TYPE(
+      slopes.scalar_type() == at::kFloat, "alibi_bias_: slopes must be float32, got ", slopes.scalar_type());
+  TORCH_CHECK_VALUE(
+      slopes.device() == scores.device(),
+      "alibi_bias_: slopes must be on the device of scores (", scores.device(), "), got ", slopes.device(),
+      "; move them with slopes.to(scores.device)");
+  at::assert_no_internal_overlap(scores);
+  if (!scores.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {  // torch's pairwise test needs sizes
+    at::assert_no_overlap(scores, slopes);
+  }
+  const c10::SymInt& sq = scores.sym_size(-2);
+  const c10::SymInt& sk = scores.sym_size(-1);
+  TORCH_CHECK_VALUE(
+      q_offset > -kMaxExactPosition && q_offset < kMaxExactPosition && q_offset + sq < kMaxExactPosition &&
+          sk < kMaxExactPosition,
+      "alibi_bias_: query positions [q_offset, q_offset + sq) and key positions [0, sk) must lie within "
+      "(-2^24, 2^24), where fp32 distances are exact; got q_offset=", q_offset, ", sq=", sq, ", sk=", sk);
+}
+
+void alibi_bias_cpu_(const at::Tensor& scores, const at::Tensor& slopes, int64_t q_offset, bool symmetric) {
+  check_alibi_bias(scores, slopes, q_offset);
   const int64_t batch = scores.dim() == 4 ? scores.size(0) : 1;
   const int64_t heads = scores.size(-3);
   const int64_t sq = scores.size(-2);
   const int64_t sk = scores.size(-1);
-  TORCH_CHECK(
-      slopes.dim() == 1 && slopes.size(0) == heads,
-      "alibi_bias_: slopes must be a vector of one slope per head (", heads, "), got shape ", slopes.sizes());
-  TORCH_CHECK(
-      slopes.scalar_type() == at::kFloat, "alibi_bias_: slopes must be float32, got ", slopes.scalar_type());
-  TORCH_CHECK(slopes.device().is_cpu(), "alibi_bias_: slopes must be on the CPU like the scores");
-  TORCH_CHECK(
-      std::llabs(q_offset) + sq < kMaxExactPosition && sk < kMaxExactPosition,
-      "alibi_bias_: positions beyond 2^24 are not exact in fp32 (sq=", sq, ", sk=", sk, ", q_offset=",
-      q_offset, ")");
   if (scores.numel() == 0) {
     return;
   }
@@ -162,14 +184,26 @@ void alibi_bias_cpu_(const at::Tensor& scores, const at::Tensor& slopes, int64_t
   });
 }
 
+// FakeTensor / torch.compile: nothing to compute, everything to check.
+void alibi_bias_meta_(const at::Tensor& scores, const at::Tensor& slopes, int64_t q_offset, bool /*symmetric*/) {
+  check_alibi_bias(scores, slopes, q_offset);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
-  m.def("alibi_bias_(Tensor(a!) scores, Tensor slopes, int q_offset=0, bool symmetric=False) -> ()");
+  m.set_python_module("ascendspeed.ops.alibi");
+  m.def(
+      "alibi_bias_(Tensor(a!) scores, Tensor slopes, int q_offset=0, bool symmetric=False) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {
   m.impl("alibi_bias_", &alibi_bias_cpu_);
+}
+
+TORCH_LIBRARY_IMPL(ascendspeed, Meta, m) {
+  m.impl("alibi_bias_", &alibi_bias_meta_);
 }
 
 }  // namespace ascendspeed

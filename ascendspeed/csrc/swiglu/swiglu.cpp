@@ -2,9 +2,11 @@
 // halves along dim (the gate a first, as Megatron's torch.chunk), and its backward
 // ascendspeed::swiglu_backward(grad_y, x, dim) = grad_x, which needs only x: nothing else is saved.
 //
-// This file owns the schemas, the argument checks, the memory layout and the choice of CPU kernel;
-// the kernels are in swiglu_kernels_impl.h. Autograd, fake (meta) and non-CPU kernels are
-// registered from Python by ascendspeed/ops/swiglu.py.
+// This file owns the schemas, the one argument check of each operator (check_swiglu,
+// check_swiglu_backward: called by the CPU and the Meta kernel alike), the memory layout and the choice
+// of CPU kernel; the kernels are in swiglu_kernels_impl.h. FakeTensor and torch.compile use the Meta
+// kernels below. Autograd and the CUDA / NPU kernels are registered from Python by
+// ascendspeed/ops/swiglu.py; those kernels validate by running the Meta kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -26,9 +28,9 @@
 namespace ascendspeed::swiglu {
 namespace {
 
-// The wrapped split dimension. Every rejection names the argument at fault; ascendspeed/ops/swiglu.py
-// (_check) raises the same errors for the Python-registered kernels.
-int64_t checked_dim(const at::Tensor& x, int64_t dim) {
+// The one argument check of ascendspeed::swiglu; returns the wrapped split dimension. Every rejection
+// names the argument at fault. Sizes are read as SymInts so FakeTensors with dynamic shapes pass.
+int64_t check_swiglu(const at::Tensor& x, int64_t dim) {
   TORCH_CHECK_VALUE(x.dim() > 0, "swiglu: x must have at least one dimension, got a 0-d tensor");
   const auto dtype = x.scalar_type();
   TORCH_CHECK_TYPE(
@@ -48,18 +50,46 @@ int64_t checked_dim(const at::Tensor& x, int64_t dim) {
       ")");
   const int64_t d = dim < 0 ? dim + x.dim() : dim;
   TORCH_CHECK_VALUE(
-      x.size(d) % 2 == 0,
+      x.sym_size(d) % 2 == 0,
       "swiglu: x.size(dim) must be even to split x into gate and value halves, got x.size(",
       dim,
       ") = ",
-      x.size(d));
+      x.sym_size(d));
+  return d;
+}
+
+// The one argument check of ascendspeed::swiglu_backward: x as for swiglu, and grad_y shaped like
+// swiglu(x, dim), of the dtype and on the device of x. Returns the wrapped split dimension.
+int64_t check_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x, int64_t dim) {
+  const int64_t d = check_swiglu(x, dim);
+  std::vector<c10::SymInt> expected = x.sym_sizes().vec();
+  expected[d] = expected[d] / 2;
+  TORCH_CHECK_VALUE(
+      grad_y.sym_sizes() == c10::SymIntArrayRef(expected),
+      "swiglu_backward: grad_y must have the shape of swiglu(x, dim) ",
+      c10::SymIntArrayRef(expected),
+      ", got ",
+      grad_y.sym_sizes());
+  TORCH_CHECK_TYPE(
+      grad_y.scalar_type() == x.scalar_type(),
+      "swiglu_backward: grad_y must have the dtype of x (",
+      x.scalar_type(),
+      "), got ",
+      grad_y.scalar_type());
+  TORCH_CHECK_VALUE(
+      grad_y.device() == x.device(),
+      "swiglu_backward: grad_y must be on the device of x (",
+      x.device(),
+      "), got ",
+      grad_y.device(),
+      "; move one of them");
   return d;
 }
 
 // The dimensions of x from outermost to innermost in memory, when x is dense in that order; else
 // nullopt. A dense input in any order (transposed, channels-last) is then processed where it lies,
-// and its output and gradient are laid out in the same order. The rule is mirrored by
-// _memory_order in ascendspeed/ops/swiglu.py so torch.compile sees the same strides.
+// and its output and gradient are laid out in the same order. The Meta kernels use the same rule, so
+// torch.compile sees the strides the CPU kernel produces.
 std::optional<std::vector<int64_t>> memory_order(const at::Tensor& x) {
   std::vector<int64_t> order(x.dim());
   std::iota(order.begin(), order.end(), 0);
@@ -67,7 +97,7 @@ std::optional<std::vector<int64_t>> memory_order(const at::Tensor& x) {
     return order;
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
-    return x.stride(i) > x.stride(j);
+    return x.sym_stride(i) > x.sym_stride(j);
   });
   if (x.permute(order).is_contiguous()) {
     return order;
@@ -96,8 +126,29 @@ struct Plan {
   std::vector<int64_t> y_sizes;
 };
 
-Plan make_plan(const at::Tensor& input, int64_t dim) {
-  const int64_t d = checked_dim(input, dim);
+// The memory order of x when it is dense, else row-major (the order of its contiguous copy).
+std::vector<int64_t> output_order(const at::Tensor& x) {
+  if (auto order = memory_order(x)) {
+    return std::move(*order);
+  }
+  std::vector<int64_t> order(x.dim());
+  std::iota(order.begin(), order.end(), 0);
+  return order;
+}
+
+// An empty tensor of `sizes` dense in `order`: what the CPU kernels return, for the Meta kernels.
+at::Tensor empty_meta_in_order(
+    std::vector<c10::SymInt> sizes, const std::vector<int64_t>& order, const at::TensorOptions& options) {
+  std::vector<c10::SymInt> strides(sizes.size());
+  c10::SymInt stride = 1;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    strides[*it] = stride;
+    stride = stride * sizes[*it].max(1);
+  }
+  return at::empty_strided_symint(sizes, strides, options);
+}
+
+Plan make_plan(const at::Tensor& input, int64_t d) {
   Plan plan;
   if (auto order = memory_order(input)) {
     plan.x = input;
@@ -162,7 +213,7 @@ const CpuKernels& cpu_kernels() {
 }
 
 at::Tensor swiglu_cpu(const at::Tensor& input, int64_t dim) {
-  const Plan plan = make_plan(input, dim);
+  const Plan plan = make_plan(input, check_swiglu(input, dim));
   auto y = empty_output(plan.y_sizes, dense_strides(plan.y_sizes, plan.order), plan.x.options());
   if (y.numel() > 0) {
     cpu_kernels().forward(plan.x, y, plan.rows, plan.len);
@@ -171,25 +222,7 @@ at::Tensor swiglu_cpu(const at::Tensor& input, int64_t dim) {
 }
 
 at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& input, int64_t dim) {
-  const Plan plan = make_plan(input, dim);
-  TORCH_CHECK_VALUE(
-      grad_y.sizes() == at::IntArrayRef(plan.y_sizes),
-      "swiglu_backward: grad_y must have the shape of swiglu(x, dim) ",
-      at::IntArrayRef(plan.y_sizes),
-      ", got ",
-      grad_y.sizes());
-  TORCH_CHECK_TYPE(
-      grad_y.scalar_type() == input.scalar_type(),
-      "swiglu_backward: grad_y must have the dtype of x (",
-      input.scalar_type(),
-      "), got ",
-      grad_y.scalar_type());
-  TORCH_CHECK(
-      grad_y.device() == input.device(),
-      "swiglu_backward: grad_y must be on the device of x (",
-      input.device(),
-      "), got ",
-      grad_y.device());
+  const Plan plan = make_plan(input, check_swiglu_backward(grad_y, input, dim));
   const auto y_strides = dense_strides(plan.y_sizes, plan.order);
   at::Tensor g = grad_y;
   if (!grad_y.permute(plan.order).is_contiguous()) {
@@ -202,6 +235,18 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& input
     cpu_kernels().backward(g, plan.x, grad_x, plan.rows, plan.len);
   }
   return grad_x;
+}
+
+at::Tensor swiglu_meta(const at::Tensor& x, int64_t dim) {
+  const int64_t d = check_swiglu(x, dim);
+  std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
+  sizes[d] = sizes[d] / 2;
+  return empty_meta_in_order(std::move(sizes), output_order(x), x.options());
+}
+
+at::Tensor swiglu_backward_meta(const at::Tensor& grad_y, const at::Tensor& x, int64_t dim) {
+  check_swiglu_backward(grad_y, x, dim);
+  return empty_meta_in_order(x.sym_sizes().vec(), output_order(x), x.options());
 }
 
 // at::parallel_for is inline: with torch's OpenMP backend it runs on one thread unless this extension
@@ -234,4 +279,9 @@ TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
 TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {
   m.impl("swiglu", &ascendspeed::swiglu::swiglu_cpu);
   m.impl("swiglu_backward", &ascendspeed::swiglu::swiglu_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(ascendspeed, Meta, m) {
+  m.impl("swiglu", &ascendspeed::swiglu::swiglu_meta);
+  m.impl("swiglu_backward", &ascendspeed::swiglu::swiglu_backward_meta);
 }

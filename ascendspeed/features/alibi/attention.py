@@ -72,12 +72,24 @@ def _causal(attn_mask_type) -> bool:
     return "causal" in attn_mask_type.name
 
 
+def _tensor_parallel_group(pg_collection):
+    """The attention's tensor-parallel group, found as megatron-core finds it: the given collection's, else
+    the global one (megatron-core 0.16+ also keeps it as ``self.pg_collection``; 0.15 does not)."""
+    if pg_collection is not None:
+        return pg_collection.tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def wrap_attention_init(original):
     """Give each self-attention built from an ALiBi config its ``AlibiLayer``; refuse what it cannot do."""
 
     @functools.wraps(original)
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
-        original(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs)
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        original(self, config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                 cp_comm_type, pg_collection)
         settings = settings_of(config)
         if settings is None:
             return
@@ -90,10 +102,11 @@ def wrap_attention_init(original):
             raise ValueError("ALiBi does not support apply_query_key_layer_scaling (it would scale the bias)")
         if settings.fused and (self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None):
             raise ValueError("fused ALiBi attention supports neither window_size nor softmax_type other than vanilla")
+        tp_group = _tensor_parallel_group(pg_collection)
         self.alibi = AlibiLayer(
             num_heads=config.num_attention_heads,
-            tp_rank=self.pg_collection.tp.rank(),
-            tp_size=self.pg_collection.tp.size(),
+            tp_rank=tp_group.rank(),
+            tp_size=tp_group.size(),
             causal=_causal(attn_mask_type),
             fused=settings.fused,
         )

@@ -32,6 +32,8 @@ UNSUPPORTED = (
                 "it configures rotary embeddings, which ALiBi replaces; drop the flag"),
 )
 UNSUPPORTED_FUSED = (
+    Unsupported("context_parallel_size", "--context-parallel-size", 1,
+                "context parallelism runs ALiBi in its own blockwise attention; drop --alibi-fused-attention"),
     Unsupported("reset_attention_mask", "--reset-attention-mask", False,
                 "the fused path uses the kernel's causal mask, not document masks; use the local path"),
     Unsupported("window_size", "--window-size", None, "sliding-window attention is not supported by the fused path"),

@@ -22,8 +22,35 @@ _DDP_COUNTER = itertools.count()
 _LATE_WARNED = False
 
 
-def wrap_ddp_init(settings: AsyncDDPSettings):
-    """Bucket every chunk (``disable_bucketing`` off), remember the bucket size, attach the overlap state."""
+def _distributed_optimizer_layout(module, ddp_config, pg_collection):
+    """megatron-core 0.18+ lays out a distributed optimizer's buffers before building them, from a bucket
+    size that is None on pipeline stages after the first: the layout of every stage, bucketed with the
+    configured size, computed as ``DistributedDataParallel`` itself would (same parameters, same order)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if pg_collection is not None:
+        data_parallel_size = pg_collection.intra_dp_cp.size()
+        expert_data_parallel_size = pg_collection.intra_expt_dp.size()
+    else:
+        data_parallel_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True,
+                                                                         partial_data_parallel=True)
+        expert_data_parallel_size = parallel_state.get_expert_data_parallel_world_size(partial_expert_data_parallel=True)
+    bucket_size = ddp_config.bucket_size
+    if bucket_size is None:
+        bucket_size = max(40_000_000, 1_000_000 * data_parallel_size)
+    params = [param for _, param in module.named_parameters() if param.requires_grad]
+    return DistributedOptimizer.compute_full_param_layout(
+        params, bucket_size, data_parallel_size, ddp_config, expert_data_parallel_world_size=expert_data_parallel_size
+    )
+
+
+def wrap_ddp_init(settings: AsyncDDPSettings, lays_out_before_building: bool = False):
+    """Bucket every chunk (``disable_bucketing`` off), remember the bucket size, attach the overlap state.
+
+    ``lays_out_before_building`` (megatron-core 0.18+): with the distributed optimizer the buffers' layout is
+    computed before the buffers, so the layout with the configured bucket size is passed in here.
+    """
 
     def factory(original):
         signature = inspect.signature(original)
@@ -37,6 +64,10 @@ def wrap_ddp_init(settings: AsyncDDPSettings):
             keep = settings.all_stages and ddp_config.overlap_grad_reduce
             if keep:
                 bound.arguments["disable_bucketing"] = False
+                if (lays_out_before_building and ddp_config.use_distributed_optimizer
+                        and bound.arguments["full_param_layout"] is None):
+                    bound.arguments["full_param_layout"] = _distributed_optimizer_layout(
+                        bound.arguments["module"], ddp_config, bound.arguments["pg_collection"])
             original(*bound.args, **bound.kwargs)
             if keep:
                 self.bucket_size = ddp_config.bucket_size
@@ -150,12 +181,14 @@ def wrap_zero_grad_buffer(settings: AsyncDDPSettings):
 
 
 def patches(settings: AsyncDDPSettings) -> list[Patch]:
-    ddp_init, buffer_init = wrap_ddp_init(settings), wrap_buffer_init(settings)
+    buffer_init = wrap_buffer_init(settings)
     found = [
-        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__", ddp_init,
+        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
+             wrap_ddp_init(settings),
              expect="(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None)",
              megatron="<0.18", name="async ddp: buckets on every stage and chunk, overlap state per bucket group"),
-        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__", ddp_init,
+        wrap("megatron.core.distributed.distributed_data_parallel:DistributedDataParallel.__init__",
+             wrap_ddp_init(settings, lays_out_before_building=True),
              expect="(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, "
                     "full_param_layout=None)",
              megatron=">=0.18", name="async ddp: buckets on every stage and chunk, overlap state per bucket group"),

@@ -18,6 +18,7 @@ from ascendspeed.features.context_parallel.settings import (
     ContextParallelSettings,
 )
 
+#: Flag values context parallelism cannot run with.
 UNSUPPORTED = (
     Unsupported("sft", "--sft", False, "packed sequences are not supported"),
     Unsupported("window_size", "--window-size", None, "sliding-window attention is not supported"),
@@ -29,8 +30,7 @@ UNSUPPORTED = (
 
 class ContextParallelFeature(Feature[ContextParallelSettings]):
     name = "context_parallel"
-    example_flags = ("--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo",
-                     "--ulysses-degree-in-cp", "2")
+    example_flags = ("--context-parallel-size", "2")
     megatron_arguments = {
         "context_parallel_size": 1,
         "transformer_impl": "local",

@@ -179,14 +179,12 @@ def patches(settings: ContextParallelSettings) -> list[Patch]:
              wrap_attention_init(settings),
              expect="(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
                     "softmax_scale=None, cp_comm_type=None, pg_collection=None)",
-             name="context parallel: local attention built under context parallelism gets its algorithm"),
-        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
-             wrap_attention_forward,
+             name="context parallel: local attention accepts a context-parallel group and holds the algorithm"),
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward", wrap_attention_forward,
              expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
                     "packed_seq_params=None)",
-             name="context parallel: ring / Ulysses / hybrid core attention"),
+             name="context parallel: attention over the sequence shards of the context-parallel group"),
         replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
-                pos_emb_on_this_cp_rank,
-                expect="(pos_emb, seq_dim, cp_group)",
-                name="context parallel: RoPE's balanced slice on any device"),
+                pos_emb_on_this_cp_rank, expect="(pos_emb, seq_dim, cp_group)",
+                name="context parallel: RoPE positions of this rank's chunks without pinned memory"),
     ]
