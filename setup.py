@@ -30,7 +30,7 @@ setup(
     packages=find_packages(include=["ascendspeed", "ascendspeed.*"]),
     package_data={"ascendspeed": ["training/data/*.txt.gz", "training/data/README.md"]},
     python_requires=">=3.10",
-    install_requires=["torch==2.13.0", "megatron-core==0.16.1", "numpy"],
+    install_requires=["torch==2.13.0", "megatron-core>=0.15,<0.20", "numpy"],
     extras_require={
         "test": ["pytest"],
         "bench": ["matplotlib"],

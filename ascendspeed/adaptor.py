@@ -4,18 +4,13 @@ from __future__ import annotations
 import argparse
 from importlib.metadata import PackageNotFoundError, version
 
-from ascendspeed.patching import MANAGER, PatchManager
+from ascendspeed.patching import MANAGER, PatchManager, release
 
-SUPPORTED_MEGATRON_CORE = ("0.16.0", "0.17.0")  # [lowest, highest) tested release range
-_installed = False
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+#: The tested megatron-core releases, [lowest, highest): every minor release from 0.15 to 0.19.
+SUPPORTED_MEGATRON_CORE = ("0.15.0", "0.20.0")
+#: What to install: the newest release for each Python (0.17 and newer need Python 3.12).
+INSTALL_HINT = ("pip install 'megatron-core==0.19.2' (Python >= 3.12), or 'megatron-core==0.16.1' "
+                "(the newest release for Python 3.10 and 3.11)")
 
 
 def check_megatron_core_version() -> str:
@@ -25,47 +20,52 @@ def check_megatron_core_version() -> str:
         found = version("megatron-core")
     except PackageNotFoundError:
         raise ImportError(
-            f"ascendspeed needs megatron-core >={low},<{high}; it is not installed "
-            f"(pip install megatron-core==0.16.1)"
+            f"ascendspeed needs megatron-core >={low},<{high}; it is not installed: {INSTALL_HINT}"
         ) from None
-    if not _version_tuple(low) <= _version_tuple(found) < _version_tuple(high):
+    if not release(low) <= release(found) < release(high):
         raise ImportError(
-            f"ascendspeed supports megatron-core >={low},<{high}, found {found}; "
-            f"install a supported release (pip install megatron-core==0.16.1)"
+            f"ascendspeed supports megatron-core >={low},<{high} (0.15 to 0.19), found {found}; "
+            f"install a supported release: {INSTALL_HINT}"
         )
     return found
 
 
 def install(manager: PatchManager = MANAGER) -> None:
-    """Idempotent: version check, device shims, Megatron-LM argument hooks."""
-    global _installed
-    if _installed:
-        return
+    """Version check, device shims, Megatron-LM argument hooks. Idempotent: the manager applies a patch
+    once, and the device is selected once until ``uninstall``."""
     check_megatron_core_version()
     from ascendspeed import accelerator
     from ascendspeed.integration import megatron_lm
 
     accelerator.install(manager)
     megatron_lm.install(manager)
-    _installed = True
 
 
 def uninstall(manager: PatchManager = MANAGER) -> None:
-    """Revert every ascendspeed patch (features, device shims, argument hooks)."""
-    global _installed
+    """Revert every ascendspeed patch (features, device shims, argument hooks) and forget the device."""
+    from ascendspeed import accelerator
+
     manager.revert()
-    _installed = False
+    accelerator.uninstall(manager)
 
 
-def main(argv=None) -> None:
-    from ascendspeed.features import add_feature_arguments, apply_features, default_arguments
+#: Megatron-LM's choices of ``--position-embedding-type``; features may add their own (``alibi``).
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "mrope", "relative", "none")
+
+
+def build_list_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m ascendspeed.megatron_adaptor``: every feature flag, and the Megatron-LM
+    flags features read, so a training command line's feature flags can be pasted after ``--list``."""
+    from ascendspeed.features import add_feature_arguments, default_arguments
 
     parser = argparse.ArgumentParser(
         prog="python -m ascendspeed.megatron_adaptor",
         description="Show what ascendspeed patches, optionally with features switched on by their flags.",
     )
     parser.add_argument("--list", action="store_true", help="print the applied patches")
-    add_feature_arguments(parser, extend_megatron=False)
+    parser.add_argument("--markdown", action="store_true", help="with --list, print a Markdown table")
+    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="learned_absolute")
+    add_feature_arguments(parser)
     for dest, default in vars(default_arguments()).items():
         flag = "--" + dest.replace("_", "-")
         if flag not in parser._option_string_actions:
@@ -73,10 +73,76 @@ def main(argv=None) -> None:
                 parser.add_argument(flag, action="store_true", default=default)
             else:
                 parser.add_argument(flag, type=type(default) if default is not None else str, default=default)
+    return parser
+
+
+PATCH_TABLE_MARKERS = ("<!-- patch table: start -->", "<!-- patch table: end -->")
+
+
+def every_patch() -> list[dict]:
+    """A row for every patch ascendspeed can apply, whatever the device and megatron-core release: the CPU
+    and NPU shims, the Megatron-LM hooks, and each feature's patches with its ``example_flags`` on."""
+    from ascendspeed import accelerator
+    from ascendspeed.accelerator import triton_guard
+    from ascendspeed.features import all_features
+    from ascendspeed.integration import megatron_lm
+    from ascendspeed.patching.manager import patch_row
+
+    groups = [
+        (accelerator.CPU_FEATURE, accelerator.cpu_patches() + ([] if triton_guard.patches() else
+                                                               triton_guard.guard_patches())),
+        (accelerator.GLOO_P2P_FEATURE, accelerator.gloo_p2p_patches()),
+        (accelerator.NPU_FEATURE, triton_guard.guard_patches()),
+        (megatron_lm.FEATURE_NAME, megatron_lm.patches()),
+    ]
+    parser = build_list_parser()
+    for feature in all_features():
+        args = parser.parse_args(list(feature.example_flags))
+        groups.append((feature.name, feature.patches(feature.settings(args))))
+    return [patch_row(name, patch) for name, patches in groups for patch in patches]
+
+
+def write_patch_table(path: str) -> bool:
+    """Replace the table between ``PATCH_TABLE_MARKERS`` in ``path``; True when it changed."""
+    from ascendspeed.patching.manager import format_rows
+
+    start, end = PATCH_TABLE_MARKERS
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    head, found, rest = text.partition(start)
+    _, found_end, tail = rest.partition(end)
+    if not (found and found_end):
+        raise SystemExit(f"{path} has no {start} ... {end} section to write the table into")
+    new = f"{head}{start}\n{format_rows(every_patch(), markdown=True)}\n{end}{tail}"
+    if new != text:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(new)
+    return new != text
+
+
+def main(argv=None) -> None:
+    from ascendspeed.features import FeatureArgumentError, apply_features
+    from ascendspeed.patching.manager import format_rows
+
+    parser = build_list_parser()
+    parser.add_argument("--table", action="store_true",
+                        help="print every patch ascendspeed can apply (all devices, features and releases)")
+    parser.add_argument("--write-table", metavar="PATH",
+                        help="write that table into PATH between its patch-table markers (docs/patching.md)")
     args = parser.parse_args(argv)
+    if args.table or args.write_table:
+        if args.write_table:
+            changed = write_patch_table(args.write_table)
+            print(f"{args.write_table}: {'updated' if changed else 'already up to date'}")
+        else:
+            print(format_rows(every_patch(), markdown=True))
+        return
     if not args.list:
         parser.print_help()
         return
     install()
-    apply_features(args)
-    print(MANAGER.format_report())
+    try:
+        apply_features(args)
+    except FeatureArgumentError as error:
+        parser.error(str(error))
+    print(MANAGER.format_report(markdown=args.markdown))

@@ -30,10 +30,6 @@ import torch
 
 from ascendspeed.patching import replace, wrap
 
-RANDOM_MODULE = "megatron.core.tensor_parallel.random"
-P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
-SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
-
 #: gloo message tags of the two pipeline directions (0 stays the default of all other traffic).
 ACTIVATION_TAG = 1
 GRADIENT_TAG = 2
@@ -53,7 +49,7 @@ _CPU_RNG_FILTER = _DropCpuRngChangedWarning()
 
 
 def _wrap_fork(original):
-    logger = logging.getLogger(RANDOM_MODULE)
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
 
     @functools.wraps(original)
     @contextlib.contextmanager
@@ -93,6 +89,9 @@ def batched_p2p_ops(
 def _wrap_deallocate_output_tensor(original):
     @functools.wraps(original)
     def deallocate_output_tensor(out, deallocate_pipeline_outputs=False):
+        if out is not None and not isinstance(out, torch.Tensor):
+            # megatron-core 0.17+ takes lists and dicts of tensors and recurses through this wrapper.
+            return original(out, deallocate_pipeline_outputs)
         in_flight = out.data if (out is not None and deallocate_pipeline_outputs) else None
         original(out, deallocate_pipeline_outputs)
         if in_flight is not None:
@@ -101,32 +100,24 @@ def _wrap_deallocate_output_tensor(original):
     return deallocate_output_tensor
 
 
-_P2P_SIGNATURE = (
-    "(*, tensor_send_prev: Optional[torch.Tensor], tensor_recv_prev: Optional[torch.Tensor], "
-    "tensor_send_next: Optional[torch.Tensor], tensor_recv_next: Optional[torch.Tensor], "
-    "group: torch.distributed.distributed_c10d.ProcessGroup, prev_pipeline_rank: int, next_pipeline_rank: int)"
-)
-
-
 def rng_patches():
     return [
-        replace(f"{RANDOM_MODULE}:_set_cuda_rng_state", set_cuda_rng_state,
-                expect="(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False)",
+        replace("megatron.core.tensor_parallel.random:_set_cuda_rng_state", set_cuda_rng_state,
+                expect="(new_state, device=-1, graph_safe=False)",
                 name="cpu rng: set the CPU generator instead of a lazily queued CUDA call"),
-        wrap(f"{RANDOM_MODULE}:CudaRNGStatesTracker.fork", _wrap_fork, expect="(self, name='model-parallel-rng')",
+        wrap("megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork", _wrap_fork,
+             expect="(self, name='model-parallel-rng')",
              name="cpu rng: the forked RNG is the CPU's, drop the warning that it changed"),
     ]
 
 
 def p2p_patches():
     return [
-        replace(f"{P2P_MODULE}:_batched_p2p_ops", batched_p2p_ops, expect=_P2P_SIGNATURE,
+        replace("megatron.core.pipeline_parallel.p2p_communication:_batched_p2p_ops", batched_p2p_ops,
+                expect="(*, tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, group, "
+                       "prev_pipeline_rank, next_pipeline_rank)",
                 name="gloo p2p: tag activations and gradients apart (pipeline size 2 + virtual pipeline)"),
-        wrap(f"{SCHEDULES_MODULE}:deallocate_output_tensor", _wrap_deallocate_output_tensor,
-                expect="(out, deallocate_pipeline_outputs=False)",
-                name="gloo p2p: keep sent activations' memory while gloo may still read it"),
+        wrap("megatron.core.pipeline_parallel.schedules:deallocate_output_tensor", _wrap_deallocate_output_tensor,
+             expect="(out, deallocate_pipeline_outputs=False)",
+             name="gloo p2p: keep sent activations' memory while gloo may still read it"),
     ]
-
-
-def patches():
-    return rng_patches() + p2p_patches()

@@ -8,26 +8,20 @@ These wait for their modules to load, so megatron-core-only users never import M
   without an error. During those two calls (only) the count is 1: the CPU is the one device;
 * ``megatron.legacy.fused_kernels.load`` runs ``nvcc``; there are no CUDA kernels to build for the CPU;
 * ``get_device_arch_version`` (validated with tensor parallelism) asks for CUDA device 0's properties: the
-  CPU has no CUDA architecture, so it is 0, and validation's demand for ``CUDA_DEVICE_MAX_CONNECTIONS=1``
-  (it orders CUDA kernel launches, meaningless here) is met for the duration of ``validate_args``;
-* the parser's defaults become the CPU-capable ones (``CPU_ARGUMENT_DEFAULTS``): an explicit flag still
-  wins, and ``validate_args`` then rejects the CPU-incapable values with the flag to use instead.
+  CPU has no CUDA architecture, so it is 0.
+
+Megatron-LM's argument handling has one owner, ``ascendspeed.integration.megatron_lm``; on the CPU it
+asks this module for the CPU-capable flag defaults (``set_cpu_defaults``), the check of explicit flags
+(``check_cpu_arguments``) and the environment ``validate_args`` demands (``validation_environment``).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
-import logging
 import os
 
-import torch
-
-from ascendspeed.patching import wrap, replace
-
-INITIALIZE = "megatron.training.initialize"
-ARGUMENTS = "megatron.training.arguments"
-
-logger = logging.getLogger(__name__)
+from ascendspeed.patching import EXISTS, replace, wrap
 
 #: Megatron-LM flags whose defaults need a GPU, with the CPU-capable default and the flag that selects it.
 CPU_ARGUMENT_DEFAULTS = {
@@ -38,6 +32,8 @@ CPU_ARGUMENT_DEFAULTS = {
     "masked_softmax_fusion": (False, "--no-masked-softmax-fusion"),
     "distributed_backend": ("gloo", "--distributed-backend gloo"),
 }
+
+_CPU_COUNTS_AS_ONE_DEVICE = contextvars.ContextVar("ascendspeed_cpu_counts_as_one_device", default=False)
 
 
 class CpuArgumentError(ValueError):
@@ -53,21 +49,24 @@ def _wrap_initialize_megatron(original):
     return initialize_megatron
 
 
-@contextlib.contextmanager
-def _the_cpu_counts_as_one_device():
-    counted = torch.cuda.device_count
-    torch.cuda.device_count = lambda: 1
-    try:
-        yield
-    finally:
-        torch.cuda.device_count = counted
+def _wrap_device_count(original):
+    """``torch.cuda.device_count()``: 1 inside the Megatron-LM calls that must count the CPU, else torch's."""
+
+    @functools.wraps(original)
+    def device_count() -> int:
+        return 1 if _CPU_COUNTS_AS_ONE_DEVICE.get() else original()
+
+    return device_count
 
 
 def _wrap_counting_the_cpu(original):
     @functools.wraps(original)
     def counting_the_cpu(*args, **kwargs):
-        with _the_cpu_counts_as_one_device():
+        token = _CPU_COUNTS_AS_ONE_DEVICE.set(True)
+        try:
             return original(*args, **kwargs)
+        finally:
+            _CPU_COUNTS_AS_ONE_DEVICE.reset(token)
 
     return counting_the_cpu
 
@@ -81,14 +80,9 @@ def cpu_device_arch_version() -> int:
     return 0
 
 
-def _wrap_add_megatron_arguments(original):
-    @functools.wraps(original)
-    def add_megatron_arguments(parser):
-        parser = original(parser)
-        parser.set_defaults(**{dest: value for dest, (value, _) in CPU_ARGUMENT_DEFAULTS.items()})
-        return parser
-
-    return add_megatron_arguments
+def set_cpu_defaults(parser) -> None:
+    """Megatron-LM's parser defaults become the CPU-capable ones; an explicit flag still wins."""
+    parser.set_defaults(**{dest: value for dest, (value, _) in CPU_ARGUMENT_DEFAULTS.items()})
 
 
 def check_cpu_arguments(args) -> None:
@@ -108,7 +102,9 @@ def check_cpu_arguments(args) -> None:
 
 
 @contextlib.contextmanager
-def _cuda_device_max_connections_is_one():
+def validation_environment():
+    """``validate_args`` demands ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism (it orders CUDA
+    kernel launches, meaningless on the CPU): it is set for the duration of the validation."""
     name = "CUDA_DEVICE_MAX_CONNECTIONS"
     before = os.environ.get(name)
     os.environ[name] = "1"
@@ -121,36 +117,47 @@ def _cuda_device_max_connections_is_one():
             os.environ[name] = before
 
 
-def _wrap_validate_args(original):
-    @functools.wraps(original)
-    def validate_args(args, defaults={}):  # noqa: B006 - mirrors Megatron-LM's signature
-        check_cpu_arguments(args)
-        with _cuda_device_max_connections_is_one():
-            return original(args, defaults)
-
-    return validate_args
-
-
 def patches():
+    counting = "megatron-lm on cpu: count the CPU so model parallelism is initialised"
+    seeding = "megatron-lm on cpu: count the CPU so the model-parallel RNG is seeded"
+    initialize = "megatron-lm on cpu: initialize without CUDA"
+    arch = "megatron-lm on cpu: no CUDA architecture"
     return [
-        wrap(f"{INITIALIZE}:initialize_megatron", _wrap_initialize_megatron,
+        wrap("torch.cuda:device_count", _wrap_device_count, expect=EXISTS,
+             name="megatron-lm on cpu: the CPU counts as one device inside the two calls below"),
+        wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
              expect="(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False, allow_no_cuda=False, "
                     "skip_mpu_initialization=False, get_embedding_ranks=None, get_position_embedding_ranks=None, "
                     "parsed_args=None, store=None)",
-             name="megatron-lm on cpu: initialize without CUDA"),
-        wrap(f"{INITIALIZE}:_initialize_distributed", _wrap_counting_the_cpu,
-             expect="(get_embedding_ranks, get_position_embedding_ranks, store)",
-             name="megatron-lm on cpu: count the CPU so model parallelism is initialised"),
-        wrap(f"{INITIALIZE}:_set_random_seed", _wrap_counting_the_cpu,
-             expect="(seed_: int, data_parallel_random_init: bool = False, te_rng_tracker: bool = False, "
-                    "inference_rng_tracker: bool = False, use_cudagraphable_rng: bool = False)",
-             name="megatron-lm on cpu: count the CPU so the model-parallel RNG is seeded"),
-        replace("megatron.legacy.fused_kernels:load", load_no_fused_kernels, expect="(args)",
+             megatron="<0.18", name=initialize),
+        wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
+             expect="(allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None, "
+                    "get_position_embedding_ranks=None, store=None)",
+             megatron=">=0.18,<0.19", name=initialize),
+        wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
+             expect="(allow_no_cuda=False, skip_mpu_initialization=False, get_embedding_ranks=None, "
+                    "get_position_embedding_ranks=None, store=None, skip_model_parallel_init=False, "
+                    "seed_pp_group=None, seed_dp_group=None, seed_tp_group=None, seed_ep_group=None, "
+                    "seed_etp_group=None, skip_random_seed=False)",
+             megatron=">=0.19", name=initialize),
+        wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
+             expect="(get_embedding_ranks, get_position_embedding_ranks, store)", megatron="<0.19", name=counting),
+        wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
+             expect="(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=False)",
+             megatron=">=0.19", name=counting),
+        wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
+             expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
+                    "use_cudagraphable_rng=False)",
+             megatron="<0.19", name=seeding),
+        wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
+             expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
+                    "use_cudagraphable_rng=False, pp_group=None, dp_group=None, tp_group=None, ep_group=None, "
+                    "etp_group=None)",
+             megatron=">=0.19", name=seeding),
+        replace("megatron.legacy.fused_kernels:load", load_no_fused_kernels, expect="(args)", megatron="<0.17",
                 name="megatron-lm on cpu: no CUDA fused kernels to build"),
         replace("megatron.training.utils:get_device_arch_version", cpu_device_arch_version, expect="()",
-                name="megatron-lm on cpu: no CUDA architecture"),
-        wrap(f"{ARGUMENTS}:add_megatron_arguments", _wrap_add_megatron_arguments,
-             expect="(parser: argparse.ArgumentParser)", name="megatron-lm on cpu: CPU-capable flag defaults"),
-        wrap(f"{ARGUMENTS}:validate_args", _wrap_validate_args, expect="(args, defaults={})",
-             name="megatron-lm on cpu: reject GPU-only flags, naming the CPU flag"),
+                megatron="<0.18", name=arch),
+        replace("megatron.training.utils.common_utils:get_device_arch_version", cpu_device_arch_version,
+                expect="()", megatron=">=0.18", name=arch),
     ]

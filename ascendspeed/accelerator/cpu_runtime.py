@@ -147,23 +147,19 @@ def patches():
     """Every shim here replaces a whole ``torch.cuda`` entry point, so torch's exact signature does not
     matter (``EXISTS``); copies bound elsewhere (``torch.cuda.get_rng_state`` is ``torch.cuda.random``'s)
     are swept by the patch manager."""
-    runtime = {
-        "torch.cuda:current_device": current_device,
-        "torch.cuda:synchronize": synchronize,
-        "torch.cuda:set_device": set_device,
-        "torch.cuda:is_available": is_available,
-        "torch.cuda:current_stream": current_stream,
-        "torch.cuda:default_stream": default_stream,
-        "torch.cuda:stream": stream,
-        "torch.cuda:set_stream": set_stream,
-        "torch.cuda:Stream": CpuStream,
-        "torch.cuda:Event": CpuEvent,
-        "torch.cuda.random:get_rng_state": get_rng_state,
-        "torch.cuda.random:set_rng_state": set_rng_state,
-        "torch.cuda.random:manual_seed": manual_seed,
-        "torch.cuda.random:manual_seed_all": manual_seed_all,
-    }
     return [
-        replace(target, shim, expect=EXISTS, name=f"cpu runtime: {target.split(':')[1]}")
-        for target, shim in runtime.items()
+        replace("torch.cuda:current_device", current_device, expect=EXISTS, name="cpu runtime: current_device"),
+        replace("torch.cuda:synchronize", synchronize, expect=EXISTS, name="cpu runtime: synchronize"),
+        replace("torch.cuda:set_device", set_device, expect=EXISTS, name="cpu runtime: set_device"),
+        replace("torch.cuda:is_available", is_available, expect=EXISTS, name="cpu runtime: is_available"),
+        replace("torch.cuda:current_stream", current_stream, expect=EXISTS, name="cpu runtime: current_stream"),
+        replace("torch.cuda:default_stream", default_stream, expect=EXISTS, name="cpu runtime: default_stream"),
+        replace("torch.cuda:stream", stream, expect=EXISTS, name="cpu runtime: stream"),
+        replace("torch.cuda:set_stream", set_stream, expect=EXISTS, name="cpu runtime: set_stream"),
+        replace("torch.cuda:Stream", CpuStream, expect=EXISTS, name="cpu runtime: Stream"),
+        replace("torch.cuda:Event", CpuEvent, expect=EXISTS, name="cpu runtime: Event"),
+        replace("torch.cuda.random:get_rng_state", get_rng_state, expect=EXISTS, name="cpu runtime: get_rng_state"),
+        replace("torch.cuda.random:set_rng_state", set_rng_state, expect=EXISTS, name="cpu runtime: set_rng_state"),
+        replace("torch.cuda.random:manual_seed", manual_seed, expect=EXISTS, name="cpu runtime: manual_seed"),
+        replace("torch.cuda.random:manual_seed_all", manual_seed_all, expect=EXISTS, name="cpu runtime: manual_seed_all"),
     ]

@@ -26,13 +26,6 @@ from ascendspeed.patching import EXISTS, replace, wrap
 
 CPU = torch.device("cpu")
 
-#: Tensor factories Megatron calls with ``device="cuda"`` (or may: the whole family of each).
-FACTORIES = (
-    "tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn", "randint",
-    "empty_like", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like",
-)
-
-
 def is_cuda_spelling(device) -> bool:
     """True for ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` and bare indices (torch reads an int
     device as an index of the accelerator, which is CUDA's in Megatron's code)."""
@@ -100,12 +93,24 @@ def _wrap_tensor_type(original):
 
 def patches():
     """Torch targets use ``EXISTS``: the wrappers forward every argument, whatever torch's signature."""
-    factory_patches = [
-        wrap(f"torch:{name}", _redirect_device_keyword, expect=EXISTS,
-             name=f"cpu device literal: torch.{name}(device='cuda')")
-        for name in FACTORIES
-    ]
-    return factory_patches + [
+    redirect = _redirect_device_keyword
+    return [
+        wrap("torch:tensor", redirect, expect=EXISTS, name="cpu device literal: torch.tensor(device='cuda')"),
+        wrap("torch:as_tensor", redirect, expect=EXISTS, name="cpu device literal: torch.as_tensor(device='cuda')"),
+        wrap("torch:empty", redirect, expect=EXISTS, name="cpu device literal: torch.empty(device='cuda')"),
+        wrap("torch:zeros", redirect, expect=EXISTS, name="cpu device literal: torch.zeros(device='cuda')"),
+        wrap("torch:ones", redirect, expect=EXISTS, name="cpu device literal: torch.ones(device='cuda')"),
+        wrap("torch:full", redirect, expect=EXISTS, name="cpu device literal: torch.full(device='cuda')"),
+        wrap("torch:arange", redirect, expect=EXISTS, name="cpu device literal: torch.arange(device='cuda')"),
+        wrap("torch:rand", redirect, expect=EXISTS, name="cpu device literal: torch.rand(device='cuda')"),
+        wrap("torch:randn", redirect, expect=EXISTS, name="cpu device literal: torch.randn(device='cuda')"),
+        wrap("torch:randint", redirect, expect=EXISTS, name="cpu device literal: torch.randint(device='cuda')"),
+        wrap("torch:empty_like", redirect, expect=EXISTS, name="cpu device literal: torch.empty_like(device='cuda')"),
+        wrap("torch:zeros_like", redirect, expect=EXISTS, name="cpu device literal: torch.zeros_like(device='cuda')"),
+        wrap("torch:ones_like", redirect, expect=EXISTS, name="cpu device literal: torch.ones_like(device='cuda')"),
+        wrap("torch:full_like", redirect, expect=EXISTS, name="cpu device literal: torch.full_like(device='cuda')"),
+        wrap("torch:rand_like", redirect, expect=EXISTS, name="cpu device literal: torch.rand_like(device='cuda')"),
+        wrap("torch:randn_like", redirect, expect=EXISTS, name="cpu device literal: torch.randn_like(device='cuda')"),
         replace("torch:Tensor.cuda", tensor_cuda, expect=EXISTS, name="cpu device literal: Tensor.cuda()"),
         wrap("torch:Tensor.type", _wrap_tensor_type, expect=EXISTS, name="cpu type names: Tensor.type()"),
     ]

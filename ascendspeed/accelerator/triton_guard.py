@@ -66,8 +66,11 @@ def triton_installed() -> bool:
 
 
 def patches():
-    if triton_installed():
-        return []
+    """The guard, where triton is missing (with triton installed nothing needs guarding)."""
+    return [] if triton_installed() else guard_patches()
+
+
+def guard_patches():
     return [
         wrap("builtins:__import__", _wrap_import, expect=EXISTS, sweep=False,
              name="triton guard: stand-in for modules that only fail on 'import triton'"),

@@ -32,19 +32,23 @@ def validate_features(args: argparse.Namespace) -> list[Feature]:
     return [feature for feature in all_features() if feature.is_enabled(args)]
 
 
+def enabled_settings(args: argparse.Namespace) -> list[tuple[Feature, object]]:
+    """Validate every feature; ``(feature, settings)`` of the enabled ones, in registry order."""
+    return [(feature, feature.settings(args)) for feature in validate_features(args)]
+
+
 def apply_features(args: argparse.Namespace, manager: PatchManager = MANAGER) -> list[str]:
     """Validate, then apply the patches of every enabled feature. Returns the enabled feature names."""
-    enabled = validate_features(args)
-    for feature in enabled:
-        manager.apply(feature.name, feature.patches(args))
-    return [feature.name for feature in enabled]
+    enabled = enabled_settings(args)
+    for feature, settings in enabled:
+        manager.apply(feature.name, feature.patches(settings))
+    return [feature.name for feature, _ in enabled]
 
 
 def configure_transformer_config(config, args: argparse.Namespace):
     """Let each enabled feature carry its settings into ``config``."""
-    for feature in all_features():
-        if feature.is_enabled(args):
-            feature.configure_transformer_config(config, args)
+    for feature, settings in enabled_settings(args):
+        feature.configure_transformer_config(config, settings)
     return config
 
 
@@ -94,5 +98,6 @@ __all__ = [
     "default_arguments",
     "disable_features",
     "enable_features",
+    "enabled_settings",
     "validate_features",
 ]

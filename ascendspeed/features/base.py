@@ -1,25 +1,53 @@
 """The contract every feature package fulfils.
 
-A feature is one package under ``ascendspeed/features/`` holding its flags, their validation and its
-patches, plus one line in ``registry.py``. Removing a feature is deleting that package and that line.
+A feature is one package under ``ascendspeed/features/`` holding its flags, their validation, its settings
+and its patches, plus one line in ``registry.py``. Removing a feature is deleting that package and that line.
 
-Features see the parsed arguments (Megatron-LM's, the pretraining entry's, or the namespace built by
-``ascendspeed.features.enable_features`` for megatron-core users) and turn them into patches whose
-configuration is bound explicitly: hot code never reads global arguments.
+The flow is the same for every feature and every entry (Megatron-LM, the pretraining entry, or
+``ascendspeed.features.enable_features`` for megatron-core users)::
+
+    args --validate--> args --settings--> Settings (a frozen dataclass) --patches--> [Patch, ...]
+
+so everything a patch does is decided by one typed settings object, bound into the patch where it is
+made: hot code never reads global arguments.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Generic, Mapping, NamedTuple, Optional, Sequence, TypeVar
 
 from ascendspeed.patching import Patch
+
+SettingsT = TypeVar("SettingsT")
 
 
 class FeatureArgumentError(ValueError):
     """An invalid flag or flag combination; the message names the flags and the fix."""
 
 
-class Feature:
+class Unsupported(NamedTuple):
+    """A flag value a feature cannot run with: anything but ``default`` for ``dest`` is refused."""
+
+    dest: str
+    flag: str
+    default: Any
+    why: str
+
+
+def refuse_unsupported(args: argparse.Namespace, rules: Sequence[Unsupported], what: str) -> None:
+    """Raise ``FeatureArgumentError`` for the first rule whose flag is set away from its default."""
+    for rule in rules:
+        value = getattr(args, rule.dest, rule.default)
+        if value != rule.default:
+            raise FeatureArgumentError(f"{what} cannot run with {rule.flag} {value}: {rule.why}")
+
+
+def defaults_of(rules: Sequence[Unsupported]) -> dict[str, Any]:
+    """``{dest: default}`` of ``rules``, for a feature's ``megatron_arguments``."""
+    return {rule.dest: rule.default for rule in rules}
+
+
+class Feature(Generic[SettingsT]):
     """Base class of a feature. Subclasses override what they need."""
 
     #: Short unique name, used in patch reports and error messages.
@@ -29,24 +57,32 @@ class Feature:
     #: defines them itself and ``enable_features`` accepts them as keywords.
     megatron_arguments: ClassVar[Mapping[str, Any]] = {}
 
+    #: Flags that switch on every patch the feature has: the table of all patches in
+    #: ``docs/patching.md`` (``python -m ascendspeed.megatron_adaptor --table``) lists what they apply.
+    example_flags: ClassVar[tuple[str, ...]] = ()
+
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the flags this feature owns (ones Megatron-LM does not already define)."""
 
     def extend_megatron_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Adjust flags Megatron-LM already defines (e.g. add a choice)."""
 
-    def validate(self, args: argparse.Namespace) -> None:
-        """Raise ``FeatureArgumentError`` for unsupported values or combinations."""
-
     def is_enabled(self, args: argparse.Namespace) -> bool:
         return False
 
-    def patches(self, args: argparse.Namespace) -> Sequence[Patch]:
-        """The patches that switch the feature on, configured from ``args``."""
+    def validate(self, args: argparse.Namespace) -> None:
+        """Raise ``FeatureArgumentError`` for unsupported values or combinations."""
+
+    def settings(self, args: argparse.Namespace) -> Optional[SettingsT]:
+        """The typed settings the enabled feature runs with (pure: reads ``args``, changes nothing)."""
+        return None
+
+    def patches(self, settings: SettingsT) -> Sequence[Patch]:
+        """The patches that switch the feature on, configured by ``settings``."""
         return ()
 
-    def configure_transformer_config(self, config, args: argparse.Namespace) -> None:
-        """Carry feature settings into a ``TransformerConfig`` built from ``args``."""
+    def configure_transformer_config(self, config, settings: SettingsT) -> None:
+        """Carry settings into a ``TransformerConfig`` built by an entry that knows the flags."""
 
 
 def add_choices(parser: argparse.ArgumentParser, flag: str, *choices: str) -> None:

@@ -3,4 +3,8 @@ FEATURE_MODULES = (
     "ascendspeed.features.async_ddp",
     "ascendspeed.features.alibi",
     "ascendspeed.features.fused_swiglu",
+    "ascendspeed.features.local_norm",
+    "ascendspeed.features.fused_rope",
+    "ascendspeed.features.reuse_fp32_param",
+    "ascendspeed.features.context_parallel",
 )

@@ -30,7 +30,6 @@ from typing import Optional
 
 logger = logging.getLogger(__name__)
 
-TARGET = "megatron.core.datasets.utils:compile_helpers"
 LIBRARY = "helpers_cpp"
 SOURCE = "helpers.cpp"
 #: The flags of megatron/core/datasets/Makefile (core_v0.16.1).
@@ -178,4 +177,5 @@ def compile_helpers() -> None:
 def patches():
     from ascendspeed.patching import replace
 
-    return [replace(TARGET, compile_helpers, expect="()")]
+    return [replace("megatron.core.datasets.utils:compile_helpers", compile_helpers, expect="()",
+                    name="megatron-lm: build the dataset helpers without make, only when missing or stale")]

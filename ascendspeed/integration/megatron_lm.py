@@ -1,9 +1,13 @@
 """Hooks into Megatron-LM's ``megatron.training.arguments``, applied whenever that module loads.
 
+This module owns every hook on Megatron-LM's argument handling (device specifics come from
+``ascendspeed.accelerator``):
+
 * ``add_megatron_arguments`` is wrapped so the parser Megatron-LM builds knows every ascendspeed flag
-  (and extended choices such as ``--position-embedding-type alibi``);
+  (and extended choices such as ``--position-embedding-type alibi``), with CPU-capable defaults on the CPU;
 * ``validate_args`` is wrapped so that, after Megatron's own checks, ascendspeed validates and applies
-  the features the arguments select, before any model is built;
+  the features the arguments select, before any model is built (on the CPU, explicit flags the CPU
+  cannot honour are refused first, naming the flag to use);
 * ``core_transformer_config_from_args`` is wrapped so enabled features carry their settings into the
   ``TransformerConfig``;
 * ``megatron.core.datasets.utils.compile_helpers`` (called by ``initialize_megatron``) builds the dataset
@@ -15,24 +19,30 @@ Megatron-LM looks these functions up by module attribute at call time (``parse_a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from ascendspeed.integration import dataset_helpers
 from ascendspeed.patching import PatchManager, wrap
 
 FEATURE_NAME = "megatron_lm"
-ARGUMENTS_MODULE = "megatron.training.arguments"
 
-#: Hooks that run on Megatron-LM's parsed args before the features are applied (device defaults).
-ARGUMENT_DEFAULTERS = []
+
+def _on_cpu() -> bool:
+    from ascendspeed import accelerator
+
+    return accelerator.device_type() == "cpu"
 
 
 def _wrap_add_megatron_arguments(original):
     @functools.wraps(original)
     def add_megatron_arguments(parser):
+        from ascendspeed.accelerator import cpu_megatron_lm
         from ascendspeed.features import add_feature_arguments
 
         parser = original(parser)
+        if _on_cpu():
+            cpu_megatron_lm.set_cpu_defaults(parser)
         return add_feature_arguments(parser)
 
     return add_megatron_arguments
@@ -41,11 +51,15 @@ def _wrap_add_megatron_arguments(original):
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - mirrors Megatron-LM's signature
+        from ascendspeed.accelerator import cpu_megatron_lm
         from ascendspeed.features import apply_features
 
-        for set_defaults in ARGUMENT_DEFAULTERS:
-            set_defaults(args)
-        result = original(args, defaults)
+        environment = contextlib.nullcontext()
+        if _on_cpu():
+            cpu_megatron_lm.check_cpu_arguments(args)
+            environment = cpu_megatron_lm.validation_environment()
+        with environment:
+            result = original(args, defaults)
         enabled = apply_features(args)
         if getattr(args, "rank", 0) == 0:
             # One line in the training log saying which features this run really has switched on.
@@ -67,11 +81,16 @@ def _wrap_core_transformer_config_from_args(original):
 
 def patches():
     return [
-        wrap(f"{ARGUMENTS_MODULE}:add_megatron_arguments", _wrap_add_megatron_arguments,
-             expect="(parser: argparse.ArgumentParser)"),
-        wrap(f"{ARGUMENTS_MODULE}:validate_args", _wrap_validate_args, expect="(args, defaults={})"),
-        wrap(f"{ARGUMENTS_MODULE}:core_transformer_config_from_args", _wrap_core_transformer_config_from_args,
-             expect="(args, config_class=None)"),
+        wrap("megatron.training.arguments:add_megatron_arguments", _wrap_add_megatron_arguments,
+             expect="(parser)", name="megatron-lm: ascendspeed's flags (CPU defaults on the CPU)"),
+        wrap("megatron.training.arguments:validate_args", _wrap_validate_args, expect="(args, defaults={})",
+             name="megatron-lm: validate and apply the selected features after Megatron's checks"),
+        wrap("megatron.training.arguments:core_transformer_config_from_args",
+             _wrap_core_transformer_config_from_args, expect="(args, config_class=None)", megatron="<0.18",
+             name="megatron-lm: features carry their settings into the TransformerConfig"),
+        wrap("megatron.training.argument_utils:core_transformer_config_from_args",
+             _wrap_core_transformer_config_from_args, expect="(args, config_class=None)", megatron=">=0.18",
+             name="megatron-lm: features carry their settings into the TransformerConfig"),
         *dataset_helpers.patches(),
     ]
 

@@ -1,6 +1,7 @@
 """A generic, reversible patch manager (see ``manager.py`` for the rules it enforces)."""
 from ascendspeed.patching.manager import MANAGER, PatchManager
 from ascendspeed.patching.patch import EXISTS, Patch, PatchError, PatchKind, describe_signature, replace, wrap
+from ascendspeed.patching.versions import VersionRange, release
 
 __all__ = [
     "EXISTS",
@@ -9,7 +10,9 @@ __all__ = [
     "PatchError",
     "PatchKind",
     "PatchManager",
+    "VersionRange",
     "describe_signature",
+    "release",
     "replace",
     "wrap",
 ]

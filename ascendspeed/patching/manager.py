@@ -136,9 +136,16 @@ class PatchManager:
 
     # -- public API -------------------------------------------------------------------------
     def apply(self, feature: str, patches: Iterable[Patch]) -> None:
-        """Apply ``patches`` on behalf of ``feature``; patches on unloaded modules wait for their import."""
+        """Apply ``patches`` on behalf of ``feature``; patches on unloaded modules wait for their import.
+
+        A patch written for other megatron-core releases (``Patch.megatron``) is a variant for those
+        releases: it is left out here, and the variant for the installed release applies instead.
+        """
+        installed = installed_version()
         with self._lock:
             for patch in patches:
+                if patch.megatron is not None and installed not in patch.megatron:
+                    continue
                 entry = _AppliedPatch(feature, patch)
                 if self._is_known(entry):
                     continue
@@ -191,28 +198,16 @@ class PatchManager:
     def features(self) -> set[str]:
         return {row["feature"] for row in self.report()}
 
-    def format_report(self) -> str:
-        rows = self.report()
-        if not rows:
+    def format_report(self, markdown: bool = False) -> str:
+        """The report as a text table (or a Markdown one): feature, kind, target, where it is defined."""
+        if not self._targets and not self._pending:
             return "ascendspeed: no patches applied"
-        lines = [f"{'feature':<18} {'kind':<8} {'state':<15} {'copies':>6}  target"]
-        for row in sorted(rows, key=lambda r: (r["feature"], r["target"])):
-            lines.append(
-                f"{row['feature']:<18} {row['kind']:<8} {row['state']:<15} {row['swept_copies']:>6}  {row['target']}"
-            )
-        return "\n".join(lines)
+        return format_rows(self.report(), markdown)
 
     # -- applying -----------------------------------------------------------------------------
     @staticmethod
     def _row(entry: _AppliedPatch, state: str, swept: int) -> dict:
-        return {
-            "feature": entry.feature,
-            "kind": entry.patch.kind.value,
-            "target": entry.patch.target,
-            "name": entry.patch.name,
-            "state": state,
-            "swept_copies": swept,
-        }
+        return patch_row(entry.feature, entry.patch, state, swept)
 
     def _is_known(self, entry: _AppliedPatch) -> bool:
         record = self._targets.get(entry.patch.target)
@@ -251,7 +246,7 @@ class PatchManager:
         original = vars(owner)[attribute] if is_class and owned else getattr(owner, attribute)
         if patch.expect is not EXISTS:
             found = describe_signature(original)
-            if found != patch.expect:
+            if patch.expect not in (found, describe_signature(original, annotations=False)):
                 raise self._error(entry, f"signature {patch.expect}", f"signature {found}")
         return _Target(
             target=patch.target,
@@ -277,8 +272,8 @@ class PatchManager:
 
     def _error(self, entry: _AppliedPatch, expected: str, found: str) -> PatchError:
         return PatchError(
-            f"ascendspeed: patch {entry.patch.name!r} of feature {entry.feature!r} cannot be applied to "
-            f"{entry.patch.target}: expected {expected}, found {found} "
+            f"ascendspeed: patch {entry.patch.name!r} of feature {entry.feature!r} ({entry.patch.defined_at}) "
+            f"cannot be applied to {entry.patch.target}: expected {expected}, found {found} "
             f"(installed megatron-core {installed_version()}). The upstream code changed: "
             "update the patch for this version or use a supported megatron-core."
         )
@@ -352,6 +347,38 @@ class PatchManager:
         if self._hook is not None:
             sys.meta_path.remove(self._hook)
             self._hook = None
+
+
+def patch_row(feature: str, patch: Patch, state: str = "", swept: int = 0) -> dict:
+    """One row of a report: what a patch is, for which feature, where it is defined, and its state."""
+    return {
+        "feature": feature,
+        "kind": patch.kind.value,
+        "target": patch.target,
+        "name": patch.name,
+        "state": state,
+        "swept_copies": swept,
+        "megatron": str(patch.megatron or "any"),
+        "defined_at": patch.defined_at,
+    }
+
+
+def format_rows(rows: list[dict], markdown: bool = False) -> str:
+    """Rows as a text table (feature, kind, state, swept copies, target, definition) or a Markdown table
+    (feature, kind, target, megatron-core releases, definition), sorted by feature and target."""
+    rows = sorted(rows, key=lambda r: (r["feature"], r["target"], r["megatron"], r["defined_at"]))
+    if markdown:
+        lines = ["| feature | kind | target | megatron-core | defined at |", "|---|---|---|---|---|"]
+        lines += [f"| {r['feature']} | {r['kind']} | `{r['target']}` | {r['megatron']} | `{r['defined_at']}` |"
+                  for r in rows]
+        return "\n".join(lines)
+    lines = [f"{'feature':<24} {'kind':<8} {'state':<15} {'copies':>6}  target  (defined at)"]
+    for row in rows:
+        lines.append(
+            f"{row['feature']:<24} {row['kind']:<8} {row['state']:<15} {row['swept_copies']:>6}  "
+            f"{row['target']}  ({row['defined_at']})"
+        )
+    return "\n".join(lines)
 
 
 MANAGER = PatchManager()

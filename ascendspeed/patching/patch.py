@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
 import inspect
+import os
 import sys
 from typing import Any, Callable, Optional
+
+from ascendspeed.patching.versions import VersionRange
 
 
 class PatchKind(enum.Enum):
@@ -34,9 +36,12 @@ class Patch:
 
     ``target`` is ``"package.module:Qualified.name"``: the module to import, then the attribute path
     inside it (a function, a class, or a class attribute such as ``Class.method``).
-    ``expect`` is the ``str(inspect.signature(...))`` the original must have, or ``EXISTS`` for
-    non-callable targets. For ``REPLACE`` the ``function`` is the new value; for ``WRAP`` it is a
-    factory ``function(original) -> new`` so a wrapper always receives what it wraps.
+    ``expect`` is the signature the original must have as ``describe_signature`` writes it (parameter
+    names, kinds and defaults; annotations are not compared), or ``EXISTS`` for targets whose signature
+    is not ours to pin. For ``REPLACE`` the ``function`` is the new value; for ``WRAP`` it is a factory
+    ``function(original) -> new`` so a wrapper always receives what it wraps. ``megatron`` is the range
+    of megatron-core releases the patch is written for (all when None); ``defined_at`` is the
+    ``file:line`` that created the patch, filled in by ``replace``/``wrap``.
     """
 
     target: str
@@ -45,6 +50,8 @@ class Patch:
     expect: Any
     name: str = ""
     sweep: bool = True
+    megatron: Optional[VersionRange] = None
+    defined_at: str = ""
 
     def __post_init__(self):
         if ":" not in self.target:
@@ -61,24 +68,44 @@ class Patch:
         return tuple(self.target.split(":", 1)[1].split("."))
 
 
-def replace(target: str, replacement: Any, *, expect: Any, name: str = "", sweep: bool = True) -> Patch:
+def _caller_location(depth: int = 2) -> str:
+    """``path:line`` of the code that called ``replace``/``wrap``, relative to the repository root."""
+    frame = sys._getframe(depth)
+    path = os.path.abspath(frame.f_code.co_filename)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if path.startswith(root + os.sep):
+        path = os.path.relpath(path, root)
+    return f"{path}:{frame.f_lineno}"
+
+
+def replace(target: str, replacement: Any, *, expect: Any, name: str = "", sweep: bool = True,
+            megatron: Optional[str] = None) -> Patch:
     """A patch that puts ``replacement`` where ``target`` was."""
-    return Patch(target, PatchKind.REPLACE, replacement, expect, name, sweep)
+    return Patch(target, PatchKind.REPLACE, replacement, expect, name, sweep,
+                 VersionRange.parse(megatron) if megatron else None, _caller_location())
 
 
 def wrap(target: str, wrapper_factory: Callable[[Any], Any], *, expect: Any, name: str = "",
-         sweep: bool = True) -> Patch:
+         sweep: bool = True, megatron: Optional[str] = None) -> Patch:
     """A patch that puts ``wrapper_factory(original)`` where ``target`` was."""
-    return Patch(target, PatchKind.WRAP, wrapper_factory, expect, name, sweep)
+    return Patch(target, PatchKind.WRAP, wrapper_factory, expect, name, sweep,
+                 VersionRange.parse(megatron) if megatron else None, _caller_location())
 
 
 def describe_signature(obj: Any) -> str:
-    """The signature string patches compare against, or a description of why there is none."""
+    """What a caller of ``obj`` depends on: parameter names, kinds and defaults, written like a signature.
+
+    Annotations are left out: they change spelling with ``from __future__ import annotations`` (newer
+    megatron-core) without the signature changing.
+    """
     function = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
     try:
-        return str(inspect.signature(function))
+        signature = inspect.signature(function)
     except (TypeError, ValueError):
         return f"<no signature: {type(function).__name__}>"
+    parameters = [parameter.replace(annotation=inspect.Parameter.empty)
+                  for parameter in signature.parameters.values()]
+    return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
 
 
 def installed_version(distribution: str = "megatron-core") -> str:
@@ -97,7 +124,3 @@ def resolve_owner(patch: Patch, module) -> tuple[Any, str]:
     for part in parents:
         owner = getattr(owner, part)
     return owner, leaf
-
-
-def import_target_module(patch: Patch):
-    return sys.modules.get(patch.module_name) or importlib.import_module(patch.module_name)

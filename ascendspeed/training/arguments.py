@@ -76,8 +76,12 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
     group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
@@ -193,6 +197,7 @@ POSITIVE = {
     "--make-vocab-size-divisible-by": "make_vocab_size_divisible_by",
     "--tensor-model-parallel-size": "tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
+    "--context-parallel-size": "context_parallel_size",
     "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
     "--distributed-timeout-minutes": "distributed_timeout_minutes",
     "--micro-batch-size": "micro_batch_size",
@@ -277,10 +282,12 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
     check_ranges(args)
     args.world_size = world_size
     args.device = device
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _require(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) model-parallel size")
-    args.data_parallel_size = world_size // (tp * pp)
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    _require(world_size % (tp * pp * cp) == 0,
+             f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) x context ({cp}) "
+             f"parallel size")
+    args.data_parallel_size = world_size // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -355,11 +362,15 @@ def _finalize_model_shape(args: argparse.Namespace) -> None:
              f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     if tp == 1:
         args.sequence_parallel = False
-    _require(not args.sequence_parallel or importlib.util.find_spec("apex") is not None,
-             "--sequence-parallel needs apex's fused LayerNorm: megatron-core's torch norms refuse it")
+    _require(not args.sequence_parallel or args.seq_length % tp == 0,
+             f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: --seq-length "
+             f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
     if args.eval_seq_lengths is None:
         args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
+    cp = args.context_parallel_size
+    _require(all(length % (2 * cp) == 0 for length in args.eval_seq_lengths),
+             f"--eval-seq-lengths must divide by 2 x --context-parallel-size = {2 * cp}")
 
 
 def _finalize_schedule(args: argparse.Namespace) -> None:

@@ -54,6 +54,7 @@ def build_config(args: argparse.Namespace) -> TransformerConfig:
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,

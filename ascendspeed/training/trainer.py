@@ -16,9 +16,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from ascendspeed.features import all_features, apply_features
-from ascendspeed.training import checkpointing
+from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
@@ -72,6 +73,8 @@ class TrainResult:
     num_parameters: int
     features: list[str]
     checkpoint: Optional[str] = None
+    memory_account: Optional[memory.MemoryAccount] = None
+    peak_resident_bytes: int = 0
 
 
 def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
@@ -94,8 +97,10 @@ def _loss_func(output_tensor: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    batch: Batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+    """Each context-parallel rank takes its chunks of the sequence; the schedule scales the loss by the
+    context-parallel size and DDP averages over data x context parallel ranks, as in Megatron-LM."""
+    batch = get_batch_on_this_cp_rank(dict(vars(next(data_iterator))))
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, _loss_func
 
 
@@ -203,6 +208,7 @@ class Trainer:
         self.scheduler = build_scheduler(args, self.optimizer)
         wire_schedule_hooks(self.config, self.model, self.optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
                             align_grad_reduce=args.align_grad_reduce)
+        self.memory: Optional[memory.MemoryAccount] = None  # measured after the first step (see run)
         self.forward_backward = get_forward_backward_func()
         self.evaluator = Evaluator(args, self.model, self.splits.valid, device)
         self.iteration = 0
@@ -332,6 +338,9 @@ class Trainer:
             loss, grad_norm, updated = self.train_step()
             if args.check_for_nan_in_loss_and_grad:
                 self._stop_if_diverged(loss, grad_norm if updated else None)
+            if self.memory is None:  # torch allocates the optimizer state in the first step
+                self.memory = memory.account(self.model, self.optimizer)
+                print_rank_0(self.memory.line())
             losses.append(loss)
             log.record(loss, skipped=not updated)
             done = self.iteration == args.train_iters
@@ -347,6 +356,7 @@ class Trainer:
             validation.append((self.iteration, self.periodic_validation()))
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
+        print_rank_0(memory.peak_line())
         trained = self.iteration - start
         return TrainResult(
             start_iteration=start,
@@ -361,6 +371,8 @@ class Trainer:
             num_parameters=num_parameters,
             features=features,
             checkpoint=checkpoint,
+            memory_account=self.memory,
+            peak_resident_bytes=memory.peak_resident_bytes(),
         )
 
     def _print_header(self, num_parameters: int, features: list[str]) -> None:

@@ -12,7 +12,7 @@ job and the tests below read its results:
 import pytest
 import torch
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 TOLERANCE = 1e-6  # relative error, fp32
 STEPS = 3
@@ -25,7 +25,7 @@ ADAM_EPS = 1e-4
 
 
 def _world_size_one(rank, world_size):
-    import megatron_utils as mu
+    from tests.helpers import megatron as mu
 
     shape = mu.TinyGPT()
     mu.initialize_parallel()
@@ -99,7 +99,7 @@ def _bf16_training(mu, shape, steps=8):
 
 
 def _data_parallel(rank, world_size):
-    import megatron_utils as mu
+    from tests.helpers import megatron as mu
 
     shape = mu.TinyGPT()
     batches = [mu.make_batch(shape, batch_size=2 * world_size * shape.micro_batch_size, seed=s) for s in range(STEPS)]
@@ -121,7 +121,7 @@ def _layout_errors(mu, chunks, reference_grads):
 
 
 def _model_parallel(rank, world_size):
-    import megatron_utils as mu
+    from tests.helpers import megatron as mu
 
     from ascendspeed import accelerator
     from ascendspeed.patching import MANAGER

@@ -21,15 +21,37 @@ def test_importing_the_adaptor_twice_changes_nothing():
     assert MANAGER.report() == before
 
 
-@pytest.mark.parametrize("found", ["0.12.0", "0.17.0", "1.0.0"])
+@pytest.mark.parametrize("found", ["0.12.0", "0.14.9", "0.20.0", "1.0.0"])
 def test_unsupported_megatron_core_names_the_supported_range(monkeypatch, found):
     monkeypatch.setattr(adaptor, "version", lambda name: found)
-    with pytest.raises(ImportError, match=rf"supports megatron-core >=0\.16\.0,<0\.17\.0, found {found}"):
+    with pytest.raises(ImportError, match=rf"supports megatron-core >=0\.15\.0,<0\.20\.0 \(0\.15 to 0\.19\), "
+                                          rf"found {found}"):
         adaptor.check_megatron_core_version()
 
 
+@pytest.mark.parametrize("found", ["0.15", "0.16", "0.16.1rc0", "0.19.2"])
+def test_release_numbers_without_a_patch_number_or_with_a_suffix_are_read(monkeypatch, found):
+    monkeypatch.setattr(adaptor, "version", lambda name: found)
+    assert adaptor.check_megatron_core_version() == found
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--use-fused-swiglu"], "--use-fused-swiglu needs --swiglu"),
+    (["--position-embedding-type", "foo"], "invalid choice: 'foo'"),
+    (["--alibi-fused-attention"], "--alibi-fused-attention needs --position-embedding-type alibi"),
+])
+def test_list_entry_point_refuses_bad_flags_with_a_usage_error(flags, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "ascendspeed.megatron_adaptor", "--list", *flags],
+        capture_output=True, text=True, env={**os.environ, "ASCENDSPEED_DEVICE": "cpu"},
+    )
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
 def test_installed_megatron_core_is_supported():
-    assert adaptor.check_megatron_core_version() == "0.16.1"
+    from importlib.metadata import version
+
+    assert adaptor.check_megatron_core_version() == version("megatron-core")
 
 
 def test_list_entry_point_prints_the_patches():

@@ -6,8 +6,8 @@ import tempfile
 import pytest
 import torch
 
-import megatron_utils as mu  # installs ascendspeed (CPU shims) before megatron is used
-from distributed_utils import run_distributed
+from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
+from tests.helpers.distributed import run_distributed
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -19,7 +19,7 @@ from ascendspeed.features import (
     enable_features,
     validate_features,
 )
-from ascendspeed.features.alibi import AlibiSettings
+from ascendspeed.features.alibi import AlibiSettings, mark_config
 from ascendspeed.ops.alibi import alibi_slopes
 from ascendspeed.patching import MANAGER
 
@@ -54,7 +54,7 @@ def attention_module(heads, groups, head_dim, dtype, fused):
         num_query_groups=groups, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         attention_softmax_in_fp32=True,
     )
-    config.alibi = AlibiSettings(fused=fused)
+    mark_config(config, AlibiSettings(fused=fused))
     return DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
@@ -84,7 +84,6 @@ def test_megatron_lm_parser_accepts_alibi():
 
 
 @pytest.mark.parametrize("flags,named", [
-    (["--context-parallel-size", "2"], "--context-parallel-size"),
     (["--transformer-impl", "transformer_engine"], "--transformer-impl"),
     (["--sft"], "--sft"),
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
@@ -165,14 +164,14 @@ def test_fused_and_local_attention_agree(megatron_world):
 
 def test_cross_attention_is_rejected(megatron_world):
     config = mu.TinyGPT().config()
-    config.alibi = AlibiSettings()
+    mark_config(config, AlibiSettings())
     with pytest.raises(ValueError, match="cross attention"):
         DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.padding, attention_type="cross")
 
 
 def test_non_causal_self_attention_uses_the_symmetric_bias(megatron_world):
     config = mu.TinyGPT().config()
-    config.alibi = AlibiSettings()
+    mark_config(config, AlibiSettings())
     module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.padding, attention_type="self")
     q, k, v = (torch.randn(12, 1, 4, 8) for _ in range(3))
     out = module(q, k, v, torch.zeros(1, 1, 12, 12, dtype=torch.bool))
@@ -189,7 +188,7 @@ def build_gpt(position_embedding_type, fused=False):
     model_parallel_cuda_manual_seed(mu.SEED)
     config = mu.TinyGPT().config()
     if position_embedding_type == "alibi":
-        config.alibi = AlibiSettings(fused=fused)
+        mark_config(config, AlibiSettings(fused=fused))
     return mu.build_gpt_model(config, position_embedding_type=position_embedding_type)
 
 
@@ -241,7 +240,7 @@ def test_gpt_fused_and_local_paths_agree(megatron_world):
 
 def test_config_with_alibi_refuses_another_position_embedding(megatron_world):
     config = mu.TinyGPT().config()
-    config.alibi = AlibiSettings()
+    mark_config(config, AlibiSettings())
     with pytest.raises(ValueError, match="position_embedding_type='rope'"):
         mu.build_gpt_model(config, position_embedding_type="rope")
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import ascendspeed.megatron_adaptor  # noqa: F401
-import async_ddp_helpers as helpers
+from tests.helpers import async_ddp as helpers
 from ascendspeed.features import FeatureArgumentError, default_arguments
-from ascendspeed.features.async_ddp import FEATURE, ddp_config_from_args
+from ascendspeed.features.async_ddp import FEATURE
 from ascendspeed.features.async_ddp.telemetry import BucketRecord, IterationRecord, Telemetry, covered_time
 from ascendspeed.patching import PatchManager
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 GRADIENT_CONFIGS = {
     "off": {"overlap": False},
@@ -81,7 +81,7 @@ def test_patches_match_installed_megatron_core_and_revert(all_stages, telemetry,
     args.log_grad_reduce_overlap = telemetry
     manager = PatchManager()
     original = param_and_grad_buffer._ParamAndGradBucketGroup.finish_grad_sync
-    manager.apply(FEATURE.name, FEATURE.patches(args))
+    manager.apply(FEATURE.name, FEATURE.patches(FEATURE.settings(args)))
     try:
         rows = manager.report()
         assert len(rows) == count and {row["state"] for row in rows} == {"applied"}
@@ -92,9 +92,12 @@ def test_patches_match_installed_megatron_core_and_revert(all_stages, telemetry,
 
 
 def test_ddp_config_from_flags():
-    args = default_arguments()
-    args.overlap_grad_reduce, args.use_distributed_optimizer, args.ddp_bucket_size = True, True, 1000
-    config = ddp_config_from_args(args)
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.model import ddp_config
+
+    args = parse_args(["--overlap-grad-reduce", "--use-distributed-optimizer", "--ddp-bucket-size", "1000"],
+                      world_size=1, device="cpu")
+    config = ddp_config(args)
     assert (config.overlap_grad_reduce, config.use_distributed_optimizer, config.bucket_size) == (True, True, 1000)
 
 

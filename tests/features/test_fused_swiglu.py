@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_utils as mu  # installs ascendspeed (CPU shims) before megatron is used
-from distributed_utils import run_distributed
+from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
+from tests.helpers.distributed import run_distributed
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import mlp as megatron_mlp
@@ -94,21 +94,23 @@ def test_patches_are_listed_swept_and_reverted(fused_swiglu):
     rows = [row for row in MANAGER.report() if row["feature"] == "fused_swiglu"]
     assert {(row["kind"], row["target"]) for row in rows} == {
         ("replace", "megatron.core.transformer.mlp:bias_swiglu_impl"),
-        ("wrap", "megatron.core.transformer.mlp:MLP.forward"),
+        ("wrap", "megatron.core.transformer.mlp:MLP.__init__"),
     }
     assert megatron_mlp.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl
     assert fused_bias_swiglu.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl  # the copy it was bound from
     disable_features(["fused_swiglu"])
     assert megatron_mlp.bias_swiglu_impl is ORIGINAL_BIAS_SWIGLU_IMPL
     assert fused_bias_swiglu.bias_swiglu_impl is ORIGINAL_BIAS_SWIGLU_IMPL
-    assert not hasattr(MLP.forward, "__wrapped__")
+    assert not hasattr(MLP.__init__, "__wrapped__")
 
 
 # -- one MLP: the fused operator against megatron-core's own SwiGLU ------------------------------------
 def build_mlp(**overrides):
+    """An MLP with the same weights at every call (the feature decides its path when it is built)."""
     settings = dict(ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu, use_cpu_initialization=True)
     settings.update(overrides)
     config = mu.TinyGPT().config(**settings)
+    torch.manual_seed(mu.SEED)
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
 
@@ -142,13 +144,13 @@ def backward_nodes(tensor):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("fusion", [True, False], ids=["bias-activation-fusion", "unfused-glu"])
 def test_mlp_matches_megatron(megatron_world, fusion, bias):
-    module = build_mlp(bias_activation_fusion=fusion, add_bias_linear=bias)
     hidden = torch.randn(mu.TinyGPT().seq_length, 3, 32) * 3
-    expected_out, expected_bias, expected_grads, fused = run_mlp(module, hidden)
+    expected_out, expected_bias, expected_grads, fused = run_mlp(
+        build_mlp(bias_activation_fusion=fusion, add_bias_linear=bias), hidden)
     assert not fused
     enable_features(swiglu=True, use_fused_swiglu=True)
     try:
-        out, out_bias, grads, fused = run_mlp(module, hidden)
+        out, out_bias, grads, fused = run_mlp(build_mlp(bias_activation_fusion=fusion, add_bias_linear=bias), hidden)
     finally:
         disable_features(["fused_swiglu"])
     assert fused
@@ -167,10 +169,10 @@ def test_mlp_with_glu_extras_keeps_megatron_path(megatron_world, fused_swiglu):
 
 def test_fused_path_saves_less_than_megatron_unfused(megatron_world):
     """The unfused glu keeps both halves and silu(a) for backward; the fused operator keeps its input."""
-    module = build_mlp(bias_activation_fusion=False, add_bias_linear=False)
     hidden = torch.randn(16, 2, 32, requires_grad=True)
 
     def saved_bytes():
+        module = build_mlp(bias_activation_fusion=False, add_bias_linear=False)
         total = 0
 
         def pack(tensor):

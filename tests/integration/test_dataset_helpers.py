@@ -48,7 +48,7 @@ def test_megatron_compile_helpers_is_replaced_and_needs_no_make(monkeypatch):
     import megatron.core.datasets.utils as utils
 
     assert utils.compile_helpers is dataset_helpers.compile_helpers
-    assert MANAGER.original(dataset_helpers.TARGET) is not dataset_helpers.compile_helpers
+    assert MANAGER.original("megatron.core.datasets.utils:compile_helpers") is not dataset_helpers.compile_helpers
     monkeypatch.setattr("subprocess.run", lambda *a, **k: pytest.fail(f"ran {a}"))
     utils.compile_helpers()
     from megatron.core.datasets import helpers  # noqa: F401 - the import Megatron's datasets do

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.skipif(
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
 ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.hooks:register_grad_ready"
+REUSE_SPLIT = "ascendspeed.features.reuse_fp32_param.codec:encode"
 
 LAUNCHER = '''\
 import ascendspeed.megatron_adaptor  # first: device selection, CPU shims, Megatron-LM hooks
@@ -148,6 +149,18 @@ def test_async_ddp_two_processes_distributed_optimizer(launcher):
     assert all(n > 0 for n in calls.values()), calls
 
 
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["float16-optimizer", "distopt"])
+def test_reuse_fp32_param_two_processes_bit_identical(launcher, optimizer):
+    """bf16 with and without --reuse-fp32-param: the same losses, to the last bit Megatron-LM prints."""
+    flags = ["--global-batch-size", "8", "--bf16", *optimizer]
+    returncode, output = _launch(launcher, 2, flags)
+    assert returncode == 0, output[-6000:]
+    reference = [float(loss) for _, loss in LOSS.findall(output)]
+    losses, calls = _train(launcher, 2, [*flags, "--reuse-fp32-param"], "reuse_fp32_param", [REUSE_SPLIT])
+    assert losses == reference
+    assert all(n >= ITERATIONS for n in calls.values()), calls
+
+
 def test_invalid_combination_fails_before_training(launcher):
     returncode, output = _launch(launcher, 1, ["--global-batch-size", "4", "--use-fused-swiglu"])
     assert returncode != 0
@@ -174,6 +187,9 @@ def megatron_lm_arguments():
     (["--position-embedding-type", "alibi", "--alibi-fused-attention", "--reset-attention-mask"],
      "--position-embedding-type alibi --alibi-fused-attention cannot run with --reset-attention-mask"),
     (["--overlap-grad-reduce", "--ddp-bucket-size", "0"], "--ddp-bucket-size must be positive"),
+    (["--reuse-fp32-param"], "--reuse-fp32-param needs --bf16"),
+    (["--bf16", "--reuse-fp32-param", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--reuse-fp32-param cannot run with --overlap-param-gather"),
 ])
 def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
     """Megatron-LM's own parse_args + validate_args, in process: the error names the flags."""

@@ -1,5 +1,6 @@
 """The patch manager on small throwaway modules written to a temporary directory."""
 import importlib
+import inspect
 import sys
 import textwrap
 
@@ -165,9 +166,11 @@ def test_report_lists_feature_kind_target_and_copies(modules):
     manager, target, consumer = modules
     importlib.import_module(consumer)
     manager.apply("feat", [wrap(f"{target}:scale", add_one, expect=SCALE, name="add one")])
+    line = inspect.currentframe().f_lineno - 1
     (row,) = manager.report()
     assert row == {"feature": "feat", "kind": "wrap", "target": f"{target}:scale", "name": "add one",
-                   "state": "applied", "swept_copies": 1}
+                   "state": "applied", "swept_copies": 1, "megatron": "any",
+                   "defined_at": f"tests/patching/test_manager.py:{line}"}
     assert f"{target}:scale" in manager.format_report()
 
 
@@ -200,3 +203,46 @@ def test_two_managers_both_see_a_later_import(modules):
         assert tgt.scale(1) == 3 and tgt.LIMIT == 4
     finally:
         other.revert()
+
+
+def test_signatures_compare_names_kinds_and_defaults_not_annotations():
+    def annotated(x: "torch.Tensor", factor: int = 2) -> "torch.Tensor":
+        return x
+
+    def keyword_only(x, *, factor=2):
+        return x
+
+    assert describe_signature(annotated) == SCALE
+    assert describe_signature(keyword_only) != SCALE
+    assert describe_signature(lambda x, factor=3: x) != SCALE
+
+
+def test_only_the_variant_for_the_installed_release_applies(modules):
+    manager, target, _ = modules
+    tgt = importlib.import_module(target)
+    manager.apply("feat", [
+        replace(f"{target}:scale", tripled, expect=SCALE, megatron=">=0.1,<0.2"),
+        wrap(f"{target}:scale", add_one, expect=SCALE, megatron=">=0.2"),
+    ])
+    (row,) = manager.report()
+    assert row["kind"] == "wrap" and row["megatron"] == ">=0.2.0"
+    assert tgt.scale(1) == 3
+
+
+def test_version_ranges():
+    from ascendspeed.patching import VersionRange, release
+
+    assert release("0.16") == (0, 16, 0) and release("0.19.2rc1") == (0, 19, 2)
+    window = VersionRange.parse(">=0.15,<0.17")
+    assert "0.15.0" in window and "0.16.1" in window and "0.17.0" not in window and "0.14.9" not in window
+    with pytest.raises(ValueError, match="clauses"):
+        VersionRange.parse("0.15")
+
+
+def test_markdown_report_names_where_each_patch_is_defined(modules):
+    manager, target, _ = modules
+    importlib.import_module(target)
+    manager.apply("feat", [replace(f"{target}:scale", tripled, expect=SCALE)])
+    table = manager.format_report(markdown=True).splitlines()
+    assert table[0].startswith("| feature | kind | target |")
+    assert f"`{target}:scale`" in table[2] and "tests/patching/test_manager.py:" in table[2]

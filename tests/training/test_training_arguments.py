@@ -53,11 +53,13 @@ def test_cpu_turns_off_cuda_only_fusions_and_uses_gloo():
     assert args.no_persist_layer_norm
 
 
-@pytest.mark.skipif(importlib.util.find_spec("apex") is not None, reason="apex provides a sequence-parallel norm")
-def test_sequence_parallel_without_apex_is_refused(capsys):
+def test_sequence_parallel_runs_on_the_local_norm_and_needs_a_divisible_sequence(capsys):
+    args = parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2, device="cpu")
+    assert args.sequence_parallel
     with pytest.raises(SystemExit):
-        parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2, device="cpu")
-    assert "apex" in capsys.readouterr().err
+        parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "127"],
+                   world_size=2, device="cpu")
+    assert "--seq-length 127 must be divisible by --tensor-model-parallel-size 2" in capsys.readouterr().err
 
 
 def test_swiglu_sizes_the_mlp_like_megatron():

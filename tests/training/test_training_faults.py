@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ sees the same global batches, and must produce the same training and validation 
 """
 import pytest
 
-from distributed_utils import run_distributed
+from tests.helpers.distributed import run_distributed
 
 BASE = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -17,6 +17,10 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "pp2-vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
+    "cp2": ["--context-parallel-size", "2"],
+    "cp2-ulysses": ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"],
+    "pp2-cp2-hybrid": ["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
+                       "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
 }
 
 
@@ -27,8 +31,8 @@ def _tied_name(name: str) -> str:
 
 def _run(args, full=None, steps=3):
     import torch
-    import megatron_utils as mu
-    from ascendspeed.features import apply_features
+    from tests.helpers import megatron as mu
+    from ascendspeed.features import apply_features, disable_features
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.trainer import Trainer
 
@@ -48,6 +52,7 @@ def _run(args, full=None, steps=3):
         return full, losses, validation + [trainer.num_parameters()]
     finally:
         teardown(state)
+        disable_features()  # the next layout applies its own settings
 
 
 def _layouts_worker(rank, world_size, names):
@@ -61,7 +66,8 @@ def _layouts_worker(rank, world_size, names):
     return results
 
 
-@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"]], ids="+".join)
+@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"], ["cp2", "cp2-ulysses"]],
+                         ids="+".join)
 def test_layouts_match_the_data_parallel_reference(names):
     results = run_distributed(_layouts_worker, 2, names, timeout=240)
     reference_losses, reference_validation = results[0]["reference"]
@@ -71,3 +77,15 @@ def test_layouts_match_the_data_parallel_reference(names):
             losses, validation = rank_result[name]
             assert losses == pytest.approx(reference_losses, rel=2e-5), name
             assert validation == pytest.approx(reference_validation, rel=2e-5), name  # and parameter count
+
+
+def test_pipeline_and_context_parallel_match_the_data_parallel_reference():
+    """4 ranks: PP 2 x CP 2 (hybrid) against DP 4. Validation at twice the length is left out: DP 4 deals the
+    held-out windows in multiples of 4, so it evaluates fewer of them than a single replica does."""
+    results = run_distributed(_layouts_worker, 4, ["pp2-cp2-hybrid"], timeout=600)
+    reference_losses, (reference_validation, _, reference_parameters) = results[0]["reference"]
+    for rank_result in results:
+        losses, (validation, _, parameters) = rank_result["pp2-cp2-hybrid"]
+        assert losses == pytest.approx(reference_losses, rel=2e-5)
+        assert validation == pytest.approx(reference_validation, rel=2e-5)
+        assert parameters == reference_parameters

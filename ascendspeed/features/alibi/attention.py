@@ -1,7 +1,8 @@
-"""ALiBi inside megatron-core's attention: what the feature's patches install.
+"""ALiBi inside megatron-core's attention: the feature's patches and what they install.
 
-The settings travel on the model's ``TransformerConfig`` as ``config.alibi`` (an ``AlibiSettings``), put
-there by ``configure_transformer_config`` or by ``GPTModel(position_embedding_type="alibi")``. Each
+Which models use ALiBi is decided per model: ``GPTModel(position_embedding_type="alibi")`` (or an entry
+that knows the flags, through ``configure_transformer_config``) marks the model's ``TransformerConfig``
+with the feature's ``AlibiSettings`` under the one declared attribute ``CONFIG_ATTRIBUTE``. Each
 self-attention ``DotProductAttention`` built from such a config holds an ``AlibiLayer`` (``.alibi``):
 
 * local path: Megatron's own forward runs unchanged; its ``FusedScaleMaskSoftmax`` receives the scaled
@@ -19,6 +20,10 @@ from typing import Optional
 import torch
 
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
+from ascendspeed.patching import Patch, wrap
+
+#: The ``TransformerConfig`` attribute that carries a model's ``AlibiSettings`` to its attention layers.
+CONFIG_ATTRIBUTE = "alibi"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,16 @@ class AlibiSettings:
     """How a model applies ALiBi. ``fused``: the fused attention kernel instead of Megatron's local path."""
 
     fused: bool = False
+
+
+def settings_of(config) -> Optional[AlibiSettings]:
+    """The ALiBi settings a ``TransformerConfig`` carries, or None for a model without ALiBi."""
+    return getattr(config, CONFIG_ATTRIBUTE, None)
+
+
+def mark_config(config, settings: AlibiSettings) -> None:
+    """Make every self-attention built from ``config`` use ALiBi with ``settings``."""
+    setattr(config, CONFIG_ATTRIBUTE, settings)
 
 
 @dataclasses.dataclass
@@ -57,13 +72,25 @@ def _causal(attn_mask_type) -> bool:
     return "causal" in attn_mask_type.name
 
 
+def _tensor_parallel_group(pg_collection):
+    """The attention's tensor-parallel group, found as megatron-core finds it: the given collection's, else
+    the global one (megatron-core 0.16+ also keeps it as ``self.pg_collection``; 0.15 does not)."""
+    if pg_collection is not None:
+        return pg_collection.tp
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
 def wrap_attention_init(original):
     """Give each self-attention built from an ALiBi config its ``AlibiLayer``; refuse what it cannot do."""
 
     @functools.wraps(original)
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs):
-        original(self, config, layer_number, attn_mask_type, attention_type, *args, **kwargs)
-        settings: Optional[AlibiSettings] = getattr(config, "alibi", None)
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        original(self, config, layer_number, attn_mask_type, attention_type, attention_dropout, softmax_scale,
+                 cp_comm_type, pg_collection)
+        settings = settings_of(config)
         if settings is None:
             return
         if attention_type != "self":
@@ -75,10 +102,11 @@ def wrap_attention_init(original):
             raise ValueError("ALiBi does not support apply_query_key_layer_scaling (it would scale the bias)")
         if settings.fused and (self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None):
             raise ValueError("fused ALiBi attention supports neither window_size nor softmax_type other than vanilla")
+        tp_group = _tensor_parallel_group(pg_collection)
         self.alibi = AlibiLayer(
             num_heads=config.num_attention_heads,
-            tp_rank=self.pg_collection.tp.rank(),
-            tp_size=self.pg_collection.tp.size(),
+            tp_rank=tp_group.rank(),
+            tp_size=tp_group.size(),
             causal=_causal(attn_mask_type),
             fused=settings.fused,
         )
@@ -148,8 +176,9 @@ def _fused_forward(self, alibi: AlibiLayer, query, key, value, attention_mask):
 def wrap_gpt_model_init(settings: AlibiSettings):
     """``GPTModel(position_embedding_type="alibi")``: no position embedding, ALiBi in every self-attention.
 
-    megatron-core only knows 'none' for "no position embedding", so the model is built with 'none' and
-    ``config.alibi`` (set here if the config does not carry it yet) switches the attention layers.
+    megatron-core only knows 'none' for "no position embedding", so the model is built with 'none' and the
+    config's ALiBi settings (``mark_config``, unless the config carries some already) switch the attention
+    layers.
     """
 
     def factory(original):
@@ -161,14 +190,15 @@ def wrap_gpt_model_init(settings: AlibiSettings):
             config = bound.arguments["config"]
             requested = bound.arguments.get("position_embedding_type", "learned_absolute")
             if requested != "alibi":
-                if getattr(config, "alibi", None) is not None:
+                if settings_of(config) is not None:
                     raise ValueError(
                         f"the TransformerConfig carries ALiBi settings but GPTModel was asked for "
-                        f"position_embedding_type={requested!r}; pass 'alibi' (or drop config.alibi)"
+                        f"position_embedding_type={requested!r}; pass 'alibi' (or build the config without "
+                        f"ALiBi: config.{CONFIG_ATTRIBUTE} = None)"
                     )
                 return original(*bound.args, **bound.kwargs)
-            if getattr(config, "alibi", None) is None:
-                config.alibi = settings
+            if settings_of(config) is None:
+                mark_config(config, settings)
             bound.arguments["position_embedding_type"] = "none"
             original(*bound.args, **bound.kwargs)
             _check_every_self_attention_has_alibi(self)
@@ -188,3 +218,27 @@ def _check_every_self_attention_has_alibi(model: torch.nn.Module) -> None:
                 f"{type(module.core_attention).__name__}: build the model with the local layer spec "
                 "(--transformer-impl local; Transformer Engine attention is not supported yet)"
             )
+
+
+def patches(settings: AlibiSettings) -> list[Patch]:
+    return [
+        wrap("megatron.core.models.gpt.gpt_model:GPTModel.__init__", wrap_gpt_model_init(settings),
+             expect="(self, config, transformer_layer_spec, vocab_size, max_sequence_length, pre_process=True, "
+                    "post_process=True, fp16_lm_cross_entropy=False, parallel_output=True, "
+                    "share_embeddings_and_output_weights=False, position_embedding_type='learned_absolute', "
+                    "rotary_percent=1.0, rotary_base=10000, rope_scaling=False, rope_scaling_factor=8.0, "
+                    "scatter_embedding_sequence_parallel=True, seq_len_interpolation_factor=None, "
+                    "mtp_block_spec=None, pg_collection=None, vp_stage=None)",
+             name="alibi: GPTModel(position_embedding_type='alibi')"),
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__", wrap_attention_init,
+             expect="(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
+                    "softmax_scale=None, cp_comm_type=None, pg_collection=None)",
+             name="alibi: each self-attention of an ALiBi model gets its AlibiLayer"),
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward", wrap_attention_forward,
+             expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
+                    "packed_seq_params=None)",
+             name="alibi: the fused attention path"),
+        wrap("megatron.core.fusions.fused_softmax:FusedScaleMaskSoftmax.forward", wrap_softmax_forward,
+             expect="(self, input, mask, softmax_offset=None)",
+             name="alibi: the local path adds the bias to the scaled scores"),
+    ]

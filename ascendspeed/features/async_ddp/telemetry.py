@@ -242,5 +242,20 @@ class Telemetry:
         return list(self.history)
 
 
+def log_on_first_data_parallel_rank(line: str) -> None:
+    """Print a telemetry line once per pipeline stage (data- and tensor-parallel rank 0)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            if parallel_state.get_data_parallel_rank() != 0 or parallel_state.get_tensor_model_parallel_rank() != 0:
+                return
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                line = f"{line} | pp stage {parallel_state.get_pipeline_model_parallel_rank()}"
+        elif torch.distributed.get_rank() != 0:
+            return
+    print(line, flush=True)
+
+
 #: The process-wide recorder the patches use when ``--log-grad-reduce-overlap`` is on.
-TELEMETRY = Telemetry()
+TELEMETRY = Telemetry(log=log_on_first_data_parallel_rank)

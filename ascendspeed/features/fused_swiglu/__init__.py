@@ -1,8 +1,8 @@
 """Fused SwiGLU: ``--use-fused-swiglu`` (with ``--swiglu``) runs the SwiGLU of every gated MLP as one
 operator, ``ascendspeed.ops.swiglu``, forward and backward, saving only its input for backward.
 
-Both of megatron-core's SwiGLU paths are switched: the bias-activation-fusion path
-(``bias_swiglu_impl``) and the unfused gated path of ``MLP.forward``. megatron-core users call
+Both of megatron-core's SwiGLU paths are switched (``mlp.py``): ``bias_swiglu_impl`` is replaced, and
+dense MLPs on the unfused gated path are routed to it. megatron-core users call
 ``ascendspeed.features.enable_features(swiglu=True, use_fused_swiglu=True)``. See
 ``docs/features/swiglu.md``.
 """

@@ -1,37 +1,33 @@
-"""``--use-fused-swiglu``: its flag, its validation and the two patches that switch megatron-core's SwiGLU."""
+"""``--use-fused-swiglu``: its flag, its validation and its (empty) settings."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from ascendspeed.features.base import Feature, FeatureArgumentError
-from ascendspeed.patching import replace, wrap
+from ascendspeed.features.base import Feature, FeatureArgumentError, Unsupported, defaults_of, refuse_unsupported
 
-# Bound by name in mlp.py (``from ...fused_bias_swiglu import bias_swiglu_impl``); the patch manager
-# also swaps the other copies of the original (its defining module, the MoE shared experts).
-BIAS_SWIGLU_IMPL = "megatron.core.transformer.mlp:bias_swiglu_impl"
-MLP_FORWARD = "megatron.core.transformer.mlp:MLP.forward"
-
-SIGNATURES = {
-    "bias_swiglu_impl": "(input, bias, fp8_input_store=False, cpu_offload_input=False)",
-    "mlp_forward": "(self, hidden_states, per_token_scale=None, **kwargs)",
-}
-
-#: Settings the fused operator cannot honour: (dest, Megatron-LM flag or setting name, default, why).
+#: ``TransformerConfig`` settings (also Megatron-LM flag destinations) the fused operator cannot honour.
 #: Megatron-LM has no flag for activation_func_fp8_input_store; it is refused where a caller sets it.
-_UNSUPPORTED = (
-    ("activation_func_fp8_input_store", "activation_func_fp8_input_store", False,
-     "the fused operator saves its input for backward in the activation dtype, not in fp8"),
-    ("use_te_activation_func", "--use-te-activation-func", False,
-     "Transformer Engine's activation would replace the fused operator"),
-    ("activation_func_clamp_value", "--activation-func-clamp-value", None,
-     "the fused operator has no clamped SwiGLU"),
-    ("glu_linear_offset", "--glu-linear-offset", 0.0, "the fused operator has no linear offset"),
+UNSUPPORTED = (
+    Unsupported("activation_func_fp8_input_store", "activation_func_fp8_input_store", False,
+                "the fused operator saves its input for backward in the activation dtype, not in fp8"),
+    Unsupported("use_te_activation_func", "--use-te-activation-func", False,
+                "Transformer Engine's activation would replace the fused operator"),
+    Unsupported("activation_func_clamp_value", "--activation-func-clamp-value", None,
+                "the fused operator has no clamped SwiGLU"),
+    Unsupported("glu_linear_offset", "--glu-linear-offset", 0.0, "the fused operator has no linear offset"),
 )
 
 
-class FusedSwigluFeature(Feature):
+@dataclasses.dataclass(frozen=True)
+class FusedSwigluSettings:
+    """The fused operator has no options: every gated SiLU MLP uses it."""
+
+
+class FusedSwigluFeature(Feature[FusedSwigluSettings]):
     name = "fused_swiglu"
-    megatron_arguments = {"swiglu": False, **{dest: default for dest, _, default, _ in _UNSUPPORTED}}
+    example_flags = ("--swiglu", "--use-fused-swiglu")
+    megatron_arguments = {"swiglu": False, **defaults_of(UNSUPPORTED)}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("ascendspeed fused SwiGLU")
@@ -53,17 +49,12 @@ class FusedSwigluFeature(Feature):
                 "--use-fused-swiglu needs --swiglu: it replaces the SwiGLU activation of gated MLPs, and without "
                 "--swiglu the MLP has none. Add --swiglu or drop --use-fused-swiglu."
             )
-        for dest, flag, default, why in _UNSUPPORTED:
-            value = getattr(args, dest, default)
-            if value != default:
-                raise FeatureArgumentError(f"--use-fused-swiglu cannot run with {flag} {value}: {why}")
+        refuse_unsupported(args, UNSUPPORTED, "--use-fused-swiglu")
 
-    def patches(self, args: argparse.Namespace):
+    def settings(self, args: argparse.Namespace) -> FusedSwigluSettings:
+        return FusedSwigluSettings()
+
+    def patches(self, settings: FusedSwigluSettings):
         from ascendspeed.features.fused_swiglu import mlp  # loads the C++ operator only when enabled
 
-        return [
-            replace(BIAS_SWIGLU_IMPL, mlp.fused_bias_swiglu_impl, expect=SIGNATURES["bias_swiglu_impl"],
-                    name="fused SwiGLU on the bias-activation-fusion path"),
-            wrap(MLP_FORWARD, mlp.wrap_mlp_forward, expect=SIGNATURES["mlp_forward"],
-                 name="fused SwiGLU on the unfused gated path"),
-        ]
+        return mlp.patches()

@@ -1,13 +1,22 @@
-"""The replacements installed by ``--use-fused-swiglu``: both of megatron-core's SwiGLU paths on the
-fused operator. Nothing here reads global arguments; each call sees only its MLP's own config."""
+"""The patches of ``--use-fused-swiglu``: megatron-core's SwiGLU on ``ascendspeed.ops.swiglu``.
+
+megatron-core's ``MLP.forward`` computes a SwiGLU one of two ways: with ``bias_activation_fusion`` it
+calls ``bias_swiglu_impl`` (bound by name in ``mlp.py``), otherwise an unfused ``glu`` closure local to
+``forward``. One replacement covers both: ``bias_swiglu_impl`` becomes the fused operator, and MLPs that
+would take the unfused path with a plain SiLU gate are built with ``bias_activation_fusion`` on, in a copy
+of their config that only the MLP sees, so they reach that same replacement. Nothing here reads global
+arguments; each MLP sees only its own config.
+"""
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch.nn.functional as F
 
+from ascendspeed.features.fused_swiglu.feature import UNSUPPORTED
 from ascendspeed.ops.swiglu import swiglu
-
+from ascendspeed.patching import Patch, replace, wrap
 
 def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
     """megatron-core's ``bias_swiglu_impl`` on the fused operator: ``swiglu(input + bias)`` over the last dim.
@@ -29,33 +38,44 @@ def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input
 
 
 def runs_plain_gated_silu(config) -> bool:
-    """Whether ``MLP.forward`` would take its unfused gated path with plain SiLU for this config: the
-    ``glu`` closure computing ``silu(a) * b`` with no clamp and no linear offset."""
+    """Whether ``MLP.forward`` takes its unfused gated path with a plain SiLU gate for ``config``: the
+    ``glu`` closure computing ``silu(a) * b``, with none of the settings the fused operator refuses."""
     return (
         config.gated_linear_unit
         and config.activation_func is F.silu
         and not config.bias_activation_fusion
-        and not config.use_te_activation_func
-        and config.activation_func_clamp_value is None
-        and config.glu_linear_offset == 0
+        and all(getattr(config, rule.dest) == rule.default for rule in UNSUPPORTED)
     )
 
 
-def wrap_mlp_forward(original):
-    """``MLP.forward`` with the unfused gated path on the fused operator.
+def wrap_mlp_init(original):
+    """Dense MLPs on the unfused plain-SiLU gated path are switched to the fusion path.
 
-    Every other case, including a per-token scale (MoE experts) and the fusion path (which goes
-    through ``fused_bias_swiglu_impl``), runs megatron-core's own forward.
+    Experts are left alone: they take a per-token scale, and megatron-core's fusion path then calls its
+    own weighted kernel, not ``bias_swiglu_impl``.
     """
 
     @functools.wraps(original)
-    def forward(self, hidden_states, per_token_scale=None, **kwargs):
-        if per_token_scale is not None or not runs_plain_gated_silu(self.config):
-            return original(self, hidden_states, per_token_scale, **kwargs)
-        intermediate, bias = self.linear_fc1(hidden_states)
-        if bias is not None:
-            intermediate = intermediate + bias
-        return self.linear_fc2(swiglu(intermediate, -1))
+    def __init__(self, config, submodules, is_expert=False, *args, **kwargs):
+        original(self, config, submodules, is_expert, *args, **kwargs)
+        if not is_expert and runs_plain_gated_silu(config):
+            self.config = copy.copy(config)
+            self.config.bias_activation_fusion = True
 
-    return forward
+    return __init__
 
+
+def patches() -> list[Patch]:
+    return [
+        replace("megatron.core.transformer.mlp:bias_swiglu_impl", fused_bias_swiglu_impl,
+                expect="(input, bias, fp8_input_store=False, cpu_offload_input=False)",
+                name="fused SwiGLU: bias_swiglu_impl on the fused operator"),
+        wrap("megatron.core.transformer.mlp:MLP.__init__", wrap_mlp_init,
+             expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
+                    "tp_group=None)",
+             megatron="<0.18", name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
+        wrap("megatron.core.transformer.mlp:MLP.__init__", wrap_mlp_init,
+             expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
+                    "tp_group=None, name=None)",
+             megatron=">=0.18", name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
+    ]

@@ -45,6 +45,9 @@ def _worker(rank, world_size, port, fn, args, result_dir):
     torch.set_num_threads(1)
     outcome = {}
     try:
+        from ascendspeed.adaptor import install
+
+        install()  # what ``import ascendspeed.megatron_adaptor`` does in a training script
         store = os.path.join(result_dir, "rendezvous")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         outcome["value"] = fn(rank, world_size, *args)

@@ -146,7 +146,7 @@ def reduced_gradients(rank, world_size, configs, steps=2):
 
 def overlap_expectations(model):
     """How many gradients per step each parameter's bucket group waits for (learnt by async DDP)."""
-    from ascendspeed.features.async_ddp.hooks import overlap_state
+    from ascendspeed.features.async_ddp.state import overlap_state
 
     expected = {}
     for group in model.bucket_groups:
@@ -211,7 +211,7 @@ def train_with_optimizer(rank, world_size, configs, steps=3):
 def pipeline_training(rank, world_size, layouts, steps=3, global_batch=16):
     """Train a tiny GPT for ``steps`` steps in each layout; per layout return the parameters (full names),
     the bucket count of each chunk and the telemetry of every step."""
-    import megatron_utils as mu
+    from tests.helpers import megatron as mu
 
     shape = mu.TinyGPT(num_layers=4)
     mu.initialize_parallel()

@@ -1,7 +1,7 @@
 """Tiny megatron-core GPT models for tests, and the plumbing to compare parallel layouts with a reference.
 
-Importing this module installs ascendspeed (``import ascendspeed.megatron_adaptor``), so on a machine
-without a GPU megatron-core runs on the CPU. Use it inside ``run_distributed`` workers (megatron needs
+Importing this module changes nothing: the adaptor is installed by the test session and in each rank
+(``tests.helpers.distributed``), so on a machine without a GPU megatron-core runs on the CPU. Use it inside ``run_distributed`` workers (megatron needs
 ``torch.distributed``), after ``initialize_parallel``. A model-parallel comparison::
 
     shape = TinyGPT()                                   # 2 layers, hidden 32, 4 heads, vocab 64, seq 16
@@ -32,8 +32,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Dict, Iterable, List, Optional
-
-import ascendspeed.megatron_adaptor  # noqa: F401 - device selection and CPU shims come first
 
 import torch
 from megatron.core import parallel_state

@@ -1,0 +1,19 @@
+// Switches the rest of a kernels_avx2.cpp to AVX2 + FMA (torch's "AVX2" level) until cpu_isa_end.h,
+// with GCC's target pragma, so the extension keeps one set of compile flags and still loads on CPUs
+// without AVX2. Include cpu_isa_prelude.h first. No include guard: one use per translation unit.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
+// GCC does not define the ISA macros for a target pragma in C++, and sleef.h (the vector math behind
+// Vectorized::exp/cos/sin) declares its wide entry points only under them.
+#ifndef __AVX__
+#define __AVX__ 1
+#define ASCENDSPEED_DEFINED__AVX__
+#endif
+#include <sleef.h>
+#ifdef ASCENDSPEED_DEFINED__AVX__
+#undef __AVX__
+#undef ASCENDSPEED_DEFINED__AVX__
+#endif
+
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2

@@ -1,0 +1,73 @@
+// Loads and stores of scalar_t elements as opmath vectors (float for float/bfloat16/half, double for
+// double), for kernels written once against at::vec::Vectorized and compiled once per instruction
+// set. Include it inside an instruction-set region (after CPU_CAPABILITY is defined): everything here
+// is then built for that instruction set, in a namespace of its own.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+
+namespace ascendspeed::vec {
+namespace CPU_CAPABILITY {
+
+using at::vec::Vectorized;
+
+// One block of scalar_t elements as opmath vectors: a Vectorized<BFloat16> holds twice as many
+// elements as a Vectorized<float>, so reduced types convert to and from two float vectors, in order.
+template <typename scalar_t>
+struct Block {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vec = Vectorized<opmath_t>;
+  static constexpr bool kReduced = c10::is_reduced_floating_point_v<scalar_t>;
+  static constexpr int kParts = kReduced ? 2 : 1;
+  static constexpr int64_t kSize = Vectorized<scalar_t>::size();
+  using Values = std::array<Vec, kParts>;
+
+  // `count` <= kSize; a partial block touches only `count` elements and reads the others as 0.
+  static Values load(const scalar_t* p, int64_t count = kSize) {
+    const auto v = Vectorized<scalar_t>::loadu(p, count);
+    if constexpr (kReduced) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+      return {lo, hi};
+    } else {
+      return {v};
+    }
+  }
+
+  static void store(scalar_t* p, const Values& v, int64_t count = kSize) {
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p, count);
+    } else {
+      v[0].store(p, count);
+    }
+  }
+
+  // The opmath vectors of a block from an opmath array (weights, tables), `count` elements from p.
+  static Values load_opmath(const opmath_t* p, int64_t count = kSize) {
+    Values v;
+    for (int part = 0; part < kParts; ++part) {
+      const int64_t offset = part * Vec::size();
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(Vec::size(), count - offset));
+      v[part] = Vec::loadu(p + offset, n);
+    }
+    return v;
+  }
+
+  static void store_opmath(opmath_t* p, const Values& v, int64_t count = kSize) {
+    for (int part = 0; part < kParts; ++part) {
+      const int64_t offset = part * Vec::size();
+      const int64_t n = std::min<int64_t>(Vec::size(), count - offset);
+      if (n > 0) {
+        v[part].store(p + offset, n);
+      }
+    }
+  }
+};
+
+} // namespace CPU_CAPABILITY
+} // namespace ascendspeed::vec

@@ -1,0 +1,234 @@
+// The RMSNorm CPU kernels, written once against at::vec::Vectorized and compiled once per instruction
+// set. Only a kernels_<isa>.cpp includes this, inside its instruction-set region.
+//
+// Each row is streamed from memory once: forward reads x and writes y; backward reads grad_y and x
+// and writes grad_x. The second pass over a row (forward: scaling; backward: the gradients) reads it
+// back from cache. Math is done in opmath_t: float for float/bfloat16/half, double for double.
+#pragma once
+
+#include "../common/vec_block.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+namespace ascendspeed::rms_norm {
+namespace CPU_CAPABILITY {
+namespace {
+
+using ascendspeed::vec::CPU_CAPABILITY::Block;
+
+// Below this many elements a second thread costs more to wake than it saves.
+constexpr int64_t kGrainSize = 32768;
+
+// sum(a[i] * b[i]) over a row in opmath, with two independent accumulators per vector part (shorter
+// dependency chains, and fewer terms summed in sequence per lane: better accuracy).
+template <typename scalar_t, typename LoadB>
+at::opmath_type<scalar_t> row_dot(const scalar_t* a, const LoadB& load_b, int64_t cols) {
+  using B = Block<scalar_t>;
+  using Vec = typename B::Vec;
+  typename B::Values even, odd;
+  even.fill(Vec(0));
+  odd.fill(Vec(0));
+  int64_t i = 0;
+  for (; i + 2 * B::kSize <= cols; i += 2 * B::kSize) {
+    const auto a0 = B::load(a + i);
+    const auto b0 = load_b(i, B::kSize);
+    const auto a1 = B::load(a + i + B::kSize);
+    const auto b1 = load_b(i + B::kSize, B::kSize);
+    for (int p = 0; p < B::kParts; ++p) {
+      even[p] = at::vec::fmadd(a0[p], b0[p], even[p]);
+      odd[p] = at::vec::fmadd(a1[p], b1[p], odd[p]);
+    }
+  }
+  for (; i < cols; i += B::kSize) {
+    const int64_t count = std::min(B::kSize, cols - i);
+    const auto a0 = B::load(a + i, count);
+    const auto b0 = load_b(i, count);
+    for (int p = 0; p < B::kParts; ++p) {
+      even[p] = at::vec::fmadd(a0[p], b0[p], even[p]);
+    }
+  }
+  Vec total = even[0] + odd[0];
+  for (int p = 1; p < B::kParts; ++p) {
+    total = total + even[p] + odd[p];
+  }
+  return at::vec::vec_reduce_all<typename B::opmath_t>(std::plus<Vec>(), total);
+}
+
+template <typename scalar_t>
+void forward_typed(
+    const at::Tensor& x,
+    const at::Tensor& gamma,
+    double eps,
+    const at::Tensor& y,
+    const at::Tensor& rstd,
+    int64_t rows,
+    int64_t cols) {
+  using B = Block<scalar_t>;
+  using opmath_t = typename B::opmath_t;
+  using Vec = typename B::Vec;
+  const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+  const opmath_t* gamma_data = gamma.const_data_ptr<opmath_t>();
+  scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
+  opmath_t* rstd_data = rstd.mutable_data_ptr<opmath_t>();
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / cols);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const scalar_t* xr = x_data + row * cols;
+      scalar_t* yr = y_data + row * cols;
+      const auto squares = row_dot(xr, [&](int64_t i, int64_t count) { return B::load(xr + i, count); }, cols);
+      const opmath_t r = opmath_t(1) / std::sqrt(squares / opmath_t(cols) + static_cast<opmath_t>(eps));
+      rstd_data[row] = r;
+      const Vec vr(r);
+      for (int64_t i = 0; i < cols; i += B::kSize) {
+        const int64_t count = std::min(B::kSize, cols - i);
+        auto v = B::load(xr + i, count);
+        const auto g = B::load_opmath(gamma_data + i, count);
+        for (int p = 0; p < B::kParts; ++p) {
+          v[p] = v[p] * vr * g[p];
+        }
+        B::store(yr + i, v, count);
+      }
+    }
+  });
+}
+
+// One thread's rows [begin, end): grad_x, and grad_gamma summed into `partial` (cols opmath values).
+template <typename scalar_t>
+void backward_rows(
+    const scalar_t* g_data,
+    const scalar_t* x_data,
+    const at::opmath_type<scalar_t>* rstd_data,
+    const at::opmath_type<scalar_t>* gamma_data,
+    scalar_t* dx_data,
+    at::opmath_type<scalar_t>* partial,
+    int64_t begin,
+    int64_t end,
+    int64_t cols) {
+  using B = Block<scalar_t>;
+  using opmath_t = typename B::opmath_t;
+  using Vec = typename B::Vec;
+  for (int64_t row = begin; row < end; ++row) {
+    const scalar_t* gr = g_data + row * cols;
+    const scalar_t* xr = x_data + row * cols;
+    scalar_t* dxr = dx_data + row * cols;
+    const opmath_t r = rstd_data[row];
+    // mean(grad_y * gamma * x)
+    const opmath_t dot = row_dot(
+        xr,
+        [&](int64_t i, int64_t count) {
+          auto g = B::load(gr + i, count);
+          const auto w = B::load_opmath(gamma_data + i, count);
+          for (int p = 0; p < B::kParts; ++p) {
+            g[p] = g[p] * w[p];
+          }
+          return g;
+        },
+        cols);
+    const Vec vr(r);
+    // r^3 * mean: in this order r^3 alone cannot underflow where the product does not.
+    const Vec correction(r * (r * (r * dot / opmath_t(cols))));
+    for (int64_t i = 0; i < cols; i += B::kSize) {
+      const int64_t count = std::min(B::kSize, cols - i);
+      const auto g = B::load(gr + i, count);
+      const auto x = B::load(xr + i, count);
+      const auto w = B::load_opmath(gamma_data + i, count);
+      auto dw = B::load_opmath(partial + i, count);
+      typename B::Values dx;
+      for (int p = 0; p < B::kParts; ++p) {
+        const Vec gr_ = g[p] * vr;
+        dx[p] = gr_ * w[p] - x[p] * correction;
+        dw[p] = at::vec::fmadd(gr_, x[p], dw[p]);
+      }
+      B::store(dxr + i, dx, count);
+      B::store_opmath(partial + i, dw, count);
+    }
+  }
+}
+
+template <typename scalar_t>
+void backward_typed(
+    const at::Tensor& grad_y,
+    const at::Tensor& x,
+    const at::Tensor& rstd,
+    const at::Tensor& gamma,
+    const at::Tensor& grad_x,
+    const at::Tensor& grad_gamma,
+    int64_t rows,
+    int64_t cols) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vec = at::vec::Vectorized<opmath_t>;
+  // One partial grad_gamma row per thread (as many as are worth waking), summed at the end.
+  const int64_t chunks = std::clamp<int64_t>(
+      rows * cols / kGrainSize, 1, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows)));
+  opmath_t* out = grad_gamma.mutable_data_ptr<opmath_t>();
+  std::vector<opmath_t> partials(chunks == 1 ? 0 : chunks * cols, opmath_t(0));
+  std::fill(out, out + cols, opmath_t(0));
+  opmath_t* partial_data = chunks == 1 ? out : partials.data();
+  const scalar_t* g_data = grad_y.const_data_ptr<scalar_t>();
+  const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+  const opmath_t* rstd_data = rstd.const_data_ptr<opmath_t>();
+  const opmath_t* gamma_data = gamma.const_data_ptr<opmath_t>();
+  scalar_t* dx_data = grad_x.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t chunk = first; chunk < last; ++chunk) {
+      backward_rows(
+          g_data,
+          x_data,
+          rstd_data,
+          gamma_data,
+          dx_data,
+          partial_data + chunk * cols,
+          rows * chunk / chunks,
+          rows * (chunk + 1) / chunks,
+          cols);
+    }
+  });
+  if (chunks > 1) {
+    for (int64_t i = 0; i < cols; i += Vec::size()) {
+      const int64_t count = std::min<int64_t>(Vec::size(), cols - i);
+      Vec sum = Vec::loadu(partial_data + i, count);
+      for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+        sum = sum + Vec::loadu(partial_data + chunk * cols + i, count);
+      }
+      sum.store(out + i, count);
+    }
+  }
+}
+
+} // namespace
+
+void forward(
+    const at::Tensor& x,
+    const at::Tensor& gamma,
+    double eps,
+    const at::Tensor& y,
+    const at::Tensor& rstd,
+    int64_t rows,
+    int64_t cols) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_cpu", [&] {
+    forward_typed<scalar_t>(x, gamma, eps, y, rstd, rows, cols);
+  });
+}
+
+void backward(
+    const at::Tensor& grad_y,
+    const at::Tensor& x,
+    const at::Tensor& rstd,
+    const at::Tensor& gamma,
+    const at::Tensor& grad_x,
+    const at::Tensor& grad_gamma,
+    int64_t rows,
+    int64_t cols) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm_backward_cpu", [&] {
+    backward_typed<scalar_t>(grad_y, x, rstd, gamma, grad_x, grad_gamma, rows, cols);
+  });
+}
+
+} // namespace CPU_CAPABILITY
+} // namespace ascendspeed::rms_norm

@@ -1,0 +1,190 @@
+"""Context parallelism inside megatron-core's local ``DotProductAttention``.
+
+megatron-core 0.16 asserts ``context_parallel_size == 1`` in ``DotProductAttention.__init__`` (only
+Transformer Engine has context parallelism there). The patches here build the layer as if it were not
+context parallel, then give it a ``ContextParallelAttention`` that its forward uses instead of Megatron's
+``baddbmm``/softmax/``bmm`` whenever the context-parallel group has more than one rank. ALiBi layers (the
+``alibi`` feature) keep their slopes; Megatron's local and fused ALiBi paths are both replaced by the
+blockwise attention under context parallelism.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Optional
+
+import torch
+
+from ascendspeed.features.context_parallel import layout
+from ascendspeed.features.context_parallel.hybrid import HybridGroups, build_hybrid_groups, hybrid_attention
+from ascendspeed.features.context_parallel.ring import ring_attention
+from ascendspeed.features.context_parallel.settings import HYBRID, RING, ULYSSES, ContextParallelSettings
+from ascendspeed.features.context_parallel.telemetry import RingTelemetry
+from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
+from ascendspeed.patching import Patch, replace, wrap
+
+#: Ring telemetry of this process with ``--log-cp-ring-overlap`` (every layer adds to it); reset it to
+#: measure a window, read ``TELEMETRY.summary()``.
+TELEMETRY = RingTelemetry()
+
+_HYBRID_GROUPS: dict[tuple[tuple[int, ...], int], HybridGroups] = {}
+
+
+def hybrid_groups(cp_group, ulysses_degree: int) -> HybridGroups:
+    """This rank's Ulysses and ring groups inside ``cp_group``, created once per (cp ranks, degree)."""
+    import torch.distributed as dist
+
+    cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
+    key = (cp_ranks, ulysses_degree)
+    if key not in _HYBRID_GROUPS:
+        _HYBRID_GROUPS[key] = build_hybrid_groups(cp_ranks, ulysses_degree)
+    return _HYBRID_GROUPS[key]
+
+
+class ContextParallelAttention:
+    """The core attention of one layer over its context-parallel group (see the package docstring)."""
+
+    def __init__(self, settings: ContextParallelSettings, cp_group, causal_layer: bool):
+        self.settings = settings
+        self.group = cp_group
+        self.size = cp_group.size()
+        self.rank = cp_group.rank()
+        self.causal = settings.mask_type == "causal"
+        if self.causal and not causal_layer:
+            raise ValueError(
+                "--cp-attention-mask-type causal masks by position, but this attention layer's mask type is "
+                "not causal: use --cp-attention-mask-type general to apply the layer's attention_mask"
+            )
+        self.hybrid = hybrid_groups(cp_group, settings.ulysses_degree) if settings.algorithm == HYBRID else None
+        self.telemetry = TELEMETRY if settings.telemetry else None
+
+    def mask_rows(self, attention_mask: Optional[torch.Tensor], positions, seq_length: int):
+        """This rank's rows of Megatron's boolean ``attention_mask`` (given whole, already split by rows, or
+        one row for every query). A query that sees no key at all gets a zero output (Megatron's -10000 fill
+        would average every value): only padding queries, whose loss is masked, can be affected."""
+        if self.causal:
+            return None
+        if attention_mask is None:
+            raise ValueError("--cp-attention-mask-type general needs an attention_mask in the attention layers")
+        if attention_mask.size(-1) != seq_length:
+            raise ValueError(
+                f"attention_mask must cover every key of the sequence ({seq_length}) in its last dimension, "
+                f"got shape {tuple(attention_mask.shape)}"
+            )
+        local_length = positions[self.rank].numel()
+        if attention_mask.size(-2) == 1:
+            return attention_mask.bool().expand(*attention_mask.shape[:-2], local_length, seq_length)
+        if attention_mask.size(-2) == seq_length and seq_length != local_length:
+            return attention_mask.index_select(-2, positions[self.rank].to(attention_mask.device)).bool()
+        return attention_mask.bool()
+
+    def __call__(self, layer, query, key, value, attention_mask):
+        """Megatron's [s, b, heads, d] q/k/v in, [s, b, heads * d] out."""
+        if layer.training and layer.attention_dropout.p > 0:
+            raise ValueError("context-parallel attention has no attention dropout: set --attention-dropout 0")
+        local_length, batch, heads, _ = query.shape
+        seq_length = local_length * self.size
+        groups = heads // key.size(2)
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        positions = _balanced_positions(seq_length, self.size)
+        mask = self.mask_rows(attention_mask, positions, seq_length)
+        scale = layer.softmax_scale * (layer.scale_mask_softmax.scale or 1.0)
+        alibi = layer.__dict__.get("alibi")
+        slopes = alibi.slopes_on(q.device) if alibi is not None else None
+        symmetric = (not alibi.causal) if alibi is not None else None
+        algorithm = self.settings.algorithm
+        if algorithm == RING:
+            out = ring_attention(q, k, v, positions, group=self.group, causal=self.causal, scale=scale,
+                                 slopes=slopes, symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
+        elif algorithm == ULYSSES:
+            core = local_core_attention(self.causal, scale, symmetric)
+            out = ulysses_attention(q, k, v, positions, group=self.group, core=core, slopes=slopes, mask=mask)
+        else:
+            out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
+                                   symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
+        return out.permute(2, 0, 1, 3).reshape(local_length, batch, heads * out.size(-1))
+
+
+@functools.lru_cache(maxsize=16)
+def _balanced_positions(seq_length: int, cp_size: int) -> tuple[torch.Tensor, ...]:
+    """Positions of every rank's tokens in the balanced layout (megatron-core's ``get_batch_on_this_cp_rank``)."""
+    return tuple(layout.positions_on_rank(seq_length, rank, cp_size) for rank in range(cp_size))
+
+
+def _cp_group(pg_collection):
+    from megatron.core import parallel_state
+
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    return group if group is not None else parallel_state.get_context_parallel_group()
+
+
+def wrap_attention_init(settings: ContextParallelSettings):
+    """``DotProductAttention.__init__`` under context parallelism: build it as a one-rank layer (Megatron's
+    assertion), keep the real config, attach the ``ContextParallelAttention``."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            if config.context_parallel_size == 1:
+                return original(self, config, layer_number, attn_mask_type, attention_type, attention_dropout,
+                                softmax_scale, cp_comm_type, pg_collection)
+            unsharded = copy.copy(config)
+            unsharded.context_parallel_size = 1
+            original(self, unsharded, layer_number, attn_mask_type, attention_type, attention_dropout,
+                     softmax_scale, cp_comm_type, pg_collection)
+            self.config = config
+            if self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None:
+                raise ValueError("context-parallel attention supports neither --softmax-type other than vanilla "
+                                 "nor --window-size")
+            self.context_parallel = ContextParallelAttention(
+                settings, _cp_group(pg_collection), causal_layer="causal" in attn_mask_type.name
+            )
+
+        return __init__
+
+    return factory
+
+
+def wrap_attention_forward(original):
+    """``DotProductAttention.forward``: layers with a ``context_parallel`` attention use it."""
+
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        context_parallel = self.__dict__.get("context_parallel")
+        if context_parallel is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                            packed_seq_params)
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("context-parallel attention supports neither packed sequences nor an attention_bias")
+        return context_parallel(self, query, key, value, attention_mask)
+
+    return forward
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Replaces megatron-core's ``get_pos_emb_on_this_cp_rank`` (which pins host memory and copies to CUDA):
+    this rank's two chunks of the position embedding, in the balanced layout, on its own device."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    return layout.split_for_rank(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
+
+
+def patches(settings: ContextParallelSettings) -> list[Patch]:
+    return [
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
+             wrap_attention_init(settings),
+             expect="(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
+                    "softmax_scale=None, cp_comm_type=None, pg_collection=None)",
+             name="context parallel: local attention accepts a context-parallel group and holds the algorithm"),
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward", wrap_attention_forward,
+             expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
+                    "packed_seq_params=None)",
+             name="context parallel: attention over the sequence shards of the context-parallel group"),
+        replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+                pos_emb_on_this_cp_rank, expect="(pos_emb, seq_dim, cp_group)",
+                name="context parallel: RoPE positions of this rank's chunks without pinned memory"),
+    ]

@@ -1,0 +1,64 @@
+"""How much of the ring's communication the block computation hid.
+
+Each hop records when it was posted, when its send and receive completed and how long the rank was
+blocked waiting for it (the exposed part). ``hidden_fraction = 1 - exposed / communication``, where
+communication is the wall time during which at least one hop was in flight. Completion is seen by a
+watcher thread that waits on the hop (gloo's point-to-point work has no future to call back), so it is the
+moment the transfer finished, not the later moment the ring asked for it. Host clocks only: on a device
+(HCCL) a hop completes at enqueue time, so the numbers there describe the host, not the link.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+
+def covered_seconds(intervals) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@dataclasses.dataclass
+class RingTelemetry:
+    """Totals since the last ``reset``: block compute, exposed waiting, hop intervals, bytes sent."""
+
+    compute_s: float = 0.0
+    exposed_s: float = 0.0
+    sent_bytes: int = 0
+    hops: list = dataclasses.field(default_factory=list)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def record_hop(self, start: float, end: float, exposed: float) -> None:
+        with self._lock:
+            self.hops.append((start, end))
+            self.exposed_s += exposed
+
+    @property
+    def communication_s(self) -> float:
+        return covered_seconds(self.hops)
+
+    @property
+    def hidden_fraction(self) -> float:
+        communication = self.communication_s
+        return max(0.0, 1.0 - self.exposed_s / communication) if communication > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "hops": len(self.hops),
+            "sent_MB": self.sent_bytes / 2**20,
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "exposed_s": self.exposed_s,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self.compute_s = self.exposed_s = 0.0
+            self.sent_bytes = 0
+            self.hops = []

@@ -1,0 +1,202 @@
+"""Context-parallel attention (ring, Ulysses, hybrid) against single-process attention, float64, real gloo ranks.
+
+Every rank builds the same full q, k, v, computes the single-process reference on the whole sequence, then
+runs the algorithm on its balanced share and compares its share of the output and of dq, dk, dv.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ascendspeed.features.context_parallel import layout
+from ascendspeed.features.context_parallel.blockwise import ScoreRule, block_forward, merge_block_
+from ascendspeed.features.context_parallel.hybrid import build_hybrid_groups, hybrid_attention
+from ascendspeed.features.context_parallel.ring import plan_block, ring_attention
+from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
+from ascendspeed.ops.alibi import alibi_slopes
+from tests.helpers.distributed import run_distributed
+
+BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
+TOLERANCE = 1e-10
+CASES = [(mask, position) for mask in ("causal", "general") for position in ("none", "alibi", "rope")]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [b, h, s, d] at absolute ``positions`` (rotate-half form)."""
+    half = x.size(-1) // 2
+    inverse_frequency = 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
+    angles = positions.to(torch.float64)[:, None] * inverse_frequency[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def reference_attention(q, k, v, causal, slopes, mask):
+    """softmax(q k^T / sqrt(d) + alibi, masked) v over the whole sequence, plain float64 autograd."""
+    seq = q.size(2)
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    distance = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).to(q.dtype)
+    if slopes is not None:
+        scores = scores - slopes.to(q.dtype)[:, None, None] * (distance if causal else distance.abs())
+    hidden = distance < 0 if causal else torch.zeros(seq, seq, dtype=torch.bool)
+    if mask is not None:
+        hidden = hidden | mask
+    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v
+
+
+def make_inputs(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, grad = (torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, dtype=torch.float64, generator=generator)
+                     for _ in range(4))
+    # A general mask: random, each query sees at least itself (a row hiding every key has no softmax).
+    mask = torch.rand(BATCH, 1, SEQ, SEQ, generator=generator) < 0.4
+    mask &= ~torch.eye(SEQ, dtype=torch.bool)
+    return q, k, v, grad, mask
+
+
+def _attention_errors(rank, world_size, algorithm, ulysses_degree):
+    group = dist.group.WORLD
+    positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
+    mine = positions[rank]
+    hybrid_groups = build_hybrid_groups(list(range(world_size)), ulysses_degree) if algorithm == "hybrid" else None
+    errors = {}
+    for case_index, (mask_type, position_type) in enumerate(CASES):
+        q, k, v, grad, mask = make_inputs(seed=100 + case_index)
+        causal = mask_type == "causal"
+        mask = None if causal else mask
+        slopes = alibi_slopes(HEADS) if position_type == "alibi" else None
+
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        fq, fk, fv = full
+        if position_type == "rope":
+            fq, fk = rope(fq, torch.arange(SEQ)), rope(fk, torch.arange(SEQ))
+        expected_out = reference_attention(fq, fk, fv, causal, slopes, mask)
+        expected_grads = torch.autograd.grad(expected_out, full, grad)
+
+        local = [layout.split_for_rank(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+        lq, lk, lv = local
+        if position_type == "rope":
+            lq, lk = rope(lq, mine), rope(lk, mine)
+        local_mask = None if mask is None else mask[:, :, mine, :]
+        if algorithm == "ring":
+            out = ring_attention(lq, lk, lv, positions, group=group, causal=causal, slopes=slopes, mask=local_mask)
+        elif algorithm == "ulysses":
+            out = ulysses_attention(lq, lk, lv, positions, group=group, core=local_core_attention(causal),
+                                    slopes=slopes, mask=local_mask)
+        else:
+            out = hybrid_attention(lq, lk, lv, positions, hybrid_groups, causal=causal, slopes=slopes,
+                                   mask=local_mask)
+        grads = torch.autograd.grad(out, local, layout.split_for_rank(grad, 2, rank, world_size))
+
+        def share(t):
+            return layout.split_for_rank(t, 2, rank, world_size)
+
+        errors[(mask_type, position_type)] = max(
+            [(out - share(expected_out)).abs().max().item()]
+            + [(g - share(e)).abs().max().item() for g, e in zip(grads, expected_grads)]
+        )
+    return errors
+
+
+@pytest.mark.parametrize(
+    "algorithm, world_size, ulysses_degree",
+    [("ring", 2, 1), ("ring", 4, 1), ("ulysses", 2, 2), ("ulysses", 4, 4), ("hybrid", 2, 2), ("hybrid", 4, 2)],
+)
+def test_matches_single_process_attention(algorithm, world_size, ulysses_degree):
+    per_rank = run_distributed(_attention_errors, world_size, algorithm, ulysses_degree)
+    for rank, errors in enumerate(per_rank):
+        assert set(errors) == set(CASES)
+        for case, error in errors.items():
+            assert error < TOLERANCE, f"rank {rank} {case}: max error {error:.3e}"
+
+
+def test_balanced_layout_round_trip_and_positions():
+    x = torch.arange(24).view(1, 24)
+    pieces = [layout.split_for_rank(x, 1, r, 3) for r in range(3)]
+    assert pieces[0].tolist() == [[0, 1, 2, 3, 20, 21, 22, 23]]
+    assert torch.equal(layout.merge_from_ranks(pieces, 1), x)
+    for r in range(3):
+        assert torch.equal(layout.positions_on_rank(24, r, 3), pieces[r][0])
+    with pytest.raises(ValueError, match="2 x cp = 6"):
+        layout.positions_on_rank(16, 0, 3)
+
+
+def test_causal_block_plan_balances_work():
+    """Blocks from earlier ranks: all queries x first key chunk; from later ranks: second query chunk x all keys."""
+    cp, seq = 4, 32
+    positions = [layout.positions_on_rank(seq, r, cp) for r in range(cp)]
+    for me in range(cp):
+        work = 0
+        for source in range(cp):
+            plan = plan_block(positions[me], positions[source], causal=True)
+            rows = range(8)[plan.rows]
+            cols = range(8)[plan.cols]
+            work += len(rows) * len(cols)
+            if source < me:
+                assert (len(rows), len(cols), plan.causal_mask) == (8, 4, False)
+            elif source > me:
+                assert (len(rows), len(cols), plan.causal_mask) == (4, 8, False)
+            else:
+                assert plan.causal_mask
+        assert work == 8 * 8 + (cp - 1) * 32
+
+
+def test_merge_in_any_order_is_exact():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, dtype=torch.float64, generator=generator) for _ in range(3))
+    rule = ScoreRule(scale=0.5, causal=False)
+    full, full_lse = block_forward(q, k, v, torch.arange(5), torch.arange(5), rule)
+    out = torch.zeros_like(full)
+    lse = torch.full_like(full_lse, float("-inf"))
+    for cols in (slice(3, 5), slice(0, 1), slice(1, 3)):
+        merge_block_(out, lse, *block_forward(q, k[:, :, cols], v[:, :, cols], torch.arange(5),
+                                               torch.arange(5)[cols], rule))
+    torch.testing.assert_close(out, full, rtol=0, atol=1e-14)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-14)
+
+
+def _ring_telemetry(rank, world_size):
+    from ascendspeed.features.context_parallel import RingTelemetry
+
+    positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
+    q, k, v, grad, _ = make_inputs(seed=7)
+    local = [layout.split_for_rank(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+    telemetry = RingTelemetry()
+    timed = ring_attention(*local, positions, group=dist.group.WORLD, telemetry=telemetry)
+    timed_grads = torch.autograd.grad(timed, local, layout.split_for_rank(grad, 2, rank, world_size))
+    plain = ring_attention(*local, positions, group=dist.group.WORLD)
+    plain_grads = torch.autograd.grad(plain, local, layout.split_for_rank(grad, 2, rank, world_size))
+    assert torch.equal(timed, plain) and all(torch.equal(a, b) for a, b in zip(timed_grads, plain_grads))
+    return telemetry.summary()
+
+
+def test_ring_telemetry_counts_every_hop():
+    cp = 2
+    for summary in run_distributed(_ring_telemetry, cp):
+        # forward: cp - 1 key/value hops; backward: cp - 1 key/value hops and cp dK/dV hops (one extra home)
+        assert summary["hops"] == 3 * cp - 2
+        hop_bytes = 2 * BATCH * HEADS * (SEQ // cp) * HEAD_DIM * 8
+        assert summary["sent_MB"] * 2**20 == pytest.approx((3 * cp - 2) * hop_bytes)
+        assert summary["compute_s"] > 0 and summary["communication_s"] > 0
+        assert summary["exposed_s"] <= summary["communication_s"] + 1e-3
+        assert 0.0 <= summary["hidden_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):
+    """One process, odd sizes: fp32 and bf16 inputs against the float64 reference (relative norm error)."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v, grad = (torch.randn(3, 2, 22, 12, dtype=torch.float64, generator=generator) for _ in range(4))
+    slopes = alibi_slopes(2)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, causal, slopes, None)
+    expected_grads = torch.autograd.grad(expected, full, grad)
+    low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*low, [torch.arange(22)], causal=causal, slopes=slopes)
+    grads = torch.autograd.grad(out, low, grad.to(dtype))
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    for actual, reference in zip([out, *grads], [expected, *expected_grads]):
+        error = (actual.double() - reference).norm() / reference.norm()
+        assert error < tolerance

@@ -1,0 +1,128 @@
+"""Sequence parallelism with megatron-core's local layer spec on gloo, and the local norm it needs.
+
+Two ranks run tensor parallel 2 with ``--sequence-parallel`` and compare every gradient with the unsharded
+single-process model (fp32, 1e-6 relative), for LayerNorm, RMSNorm (eager and fused), zero-centred gamma,
+and with ALiBi + fused SwiGLU and with RoPE on.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ascendspeed.features import FeatureArgumentError, default_arguments, disable_features, enable_features
+from ascendspeed.features.local_norm import FEATURE, LocalNorm
+from tests.helpers.distributed import run_distributed
+
+TOLERANCE = 1e-6
+
+CASES = {
+    "layernorm": ({}, {}, {}),
+    "rmsnorm": ({"normalization": "RMSNorm"}, {"normalization": "RMSNorm"}, {}),
+    "rmsnorm_fused": ({"normalization": "RMSNorm"}, {"normalization": "RMSNorm", "use_fused_rmsnorm": True}, {}),
+    "zero_centered_gamma": ({"layernorm_zero_centered_gamma": True}, {}, {}),
+    "alibi_fused_swiglu": (
+        {"gated_linear_unit": True, "activation_func": F.silu, "ffn_hidden_size": 48},
+        {"position_embedding_type": "alibi", "swiglu": True, "use_fused_swiglu": True},
+        {"position_embedding_type": "alibi"},
+    ),
+    "rope": ({}, {"position_embedding_type": "rope"}, {"position_embedding_type": "rope"}),
+}
+
+
+def _sequence_parallel(rank, world_size, cases):
+    from tests.helpers import megatron as mu
+
+    shape = mu.TinyGPT()
+    batch = mu.make_batch(shape, batch_size=2 * shape.micro_batch_size)
+    results = {}
+    for name in cases:
+        config_overrides, feature_settings, gpt_kwargs = CASES[name]
+        disable_features()
+        enable_features(sequence_parallel=True, **feature_settings)
+        mu.initialize_parallel()
+        reference = mu.build_gpt_model(shape.config(**config_overrides), shape, **gpt_kwargs)
+        full = mu.full_parameters(reference)
+        reference_losses = torch.stack(mu.reference_forward_backward(reference, batch, shape))
+        reference_grads = mu.gradients([reference])
+        mu.destroy_parallel()
+
+        mu.initialize_parallel(tp=2)
+        config = shape.config(sequence_parallel=True, **config_overrides)
+        chunks = mu.build_model_chunks(config, shape, **gpt_kwargs)
+        mu.load_full_parameters(chunks, full)
+        ddp = mu.wrap_ddp(chunks)  # finalize_model_grads all-reduces the norms' partial gradients over TP
+        losses = torch.stack(mu.run_forward_backward(ddp, batch, shape))
+        grads = mu.gradients(ddp)
+        errors = {
+            full_name: mu.relative_error(grads[full_name], mu.shard_like(reference_grads[full_name], param,
+                                                                       full_name, config))
+            for full_name, param in mu.named_parameters_full(ddp)
+        }
+        norms = [module for module in ddp[0].modules() if isinstance(module, LocalNorm)]
+        results[name] = {
+            "loss_error": mu.relative_error(losses, reference_losses),
+            "errors": errors,
+            "norms": len(norms),
+            "marked": all(p.sequence_parallel for norm in norms for p in norm.parameters()),
+            "fused": {norm.fused for norm in norms},
+        }
+        mu.destroy_parallel()
+    disable_features()
+    return results
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel():
+    return run_distributed(_sequence_parallel, 2, list(CASES), timeout=900)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_and_sequence_parallel_gradients_equal_the_unsharded_model(sequence_parallel, case):
+    for rank, results in enumerate(sequence_parallel):
+        result = results[case]
+        assert result["norms"] > 0 and result["marked"], "the local spec's norms are not sequence-parallel norms"
+        assert result["loss_error"] <= TOLERANCE, f"rank {rank}: loss differs by {result['loss_error']:.2e}"
+        worst = max(result["errors"], key=result["errors"].get)
+        assert result["errors"][worst] <= TOLERANCE, f"rank {rank}: {worst} differs by {result['errors'][worst]:.2e}"
+    assert sequence_parallel[0]["rmsnorm_fused"]["fused"] == {True}
+    assert sequence_parallel[0]["rmsnorm"]["fused"] == {False}
+
+
+def test_local_norm_matches_torch_norms_forward_and_backward():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 24, dtype=torch.float64, requires_grad=True)
+    for normalization, reference in (("LayerNorm", torch.nn.LayerNorm(24)), ("RMSNorm", torch.nn.RMSNorm(24))):
+        reference = reference.double()
+        with torch.no_grad():
+            reference.weight.uniform_(0.5, 1.5)
+        ours = LocalNorm(normalization, 24, 1e-5, sequence_parallel=False, zero_centered_gamma=True,
+                         fused=False, dtype=torch.float64)
+        with torch.no_grad():
+            ours.weight.copy_(reference.weight - 1)
+            if ours.bias is not None:
+                ours.bias.copy_(reference.bias)
+        grad = torch.randn(5, 3, 24, dtype=torch.float64)
+        expected = torch.autograd.grad(reference(x), (x, reference.weight), grad)
+        found = torch.autograd.grad(ours(x), (x, ours.weight), grad)
+        for a, b in zip(found, expected):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        assert set(ours.state_dict()) == set(reference.state_dict())
+
+
+def test_the_feature_is_on_for_sequence_parallel_or_the_fused_rmsnorm():
+    args = default_arguments()
+    assert not FEATURE.is_enabled(args)
+    args.sequence_parallel = True
+    assert FEATURE.is_enabled(args)
+    args.transformer_impl = "transformer_engine"
+    assert not FEATURE.is_enabled(args)
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"use_fused_rmsnorm": True}, "--normalization RMSNorm"),
+    ({"use_fused_rmsnorm": True, "normalization": "RMSNorm", "transformer_impl": "transformer_engine"},
+     "--transformer-impl local"),
+])
+def test_bad_combinations_are_refused_naming_the_flags(settings, named):
+    with pytest.raises(FeatureArgumentError, match=named):
+        enable_features(**settings)
+    disable_features(["local_norm"])
