@@ -80,8 +80,6 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                        help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     group.add_argument("--sequence-parallel", action="store_true")
-    group.add_argument("--context-parallel-size", type=int, default=1,
-                       help="ranks sharing each sequence (see --context-parallel-algo)")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
     group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
