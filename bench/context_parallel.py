@@ -20,7 +20,7 @@ import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+sys.path.insert(0, REPO)
 
 
 def saved_bytes(function) -> int:
@@ -166,7 +166,7 @@ def main(argv=None):
 
     import torch
 
-    from distributed_utils import run_distributed
+    from tests.helpers.distributed import run_distributed
 
     settings = dict(heads=args.heads, head_dim=args.head_dim, seq_lengths=args.seq_lengths,
                     overlap_seq=args.overlap_seq, reps=args.reps, threads=args.threads)

@@ -6,8 +6,10 @@ forming a geometric sequence. Two ways to apply it:
 * :func:`alibi_bias_` adds the bias in place to a score buffer with the C++ operator
   ``torch.ops.ascendspeed.alibi_bias_`` (fp32 bias math, nothing of size [heads, sq, sk] allocated).
   This is what Megatron's local attention path uses, between its ``baddbmm`` and its softmax.
-* :func:`alibi_attention` is a fused attention: torch's flash attention with an O(heads * sk) fp32
-  bias on CPU, ``npu_fusion_attention`` with its kernel-generated ALiBi on Ascend NPUs.
+* :func:`alibi_attention` is a fused attention: on CPU ascendspeed's own flash-attention kernel
+  (``ascendspeed.ops.alibi_flash_attention``) that generates the bias inside its blockwise softmax, in
+  fp32, saving only the output and one logsumexp per query row; ``npu_fusion_attention`` with its
+  kernel-generated ALiBi on Ascend NPUs.
 
 Positions are absolute: query row ``i`` is at position ``i + q_offset``, key column ``j`` at ``j``.
 The default ``q_offset = sk - sq`` puts the query block at the end of the keys, as in decoding
@@ -176,27 +178,34 @@ def alibi_attention(
     ``masked_out`` (optional, bool, True where a query must not see a key) broadcasts to
     [batch, heads, sq, sk]; ``causal`` hides keys after each query's absolute position.
 
-    On CPU, causal attention with ``q_offset == 0`` (training, prefill) runs torch's flash kernel
-    with a per-key fp32 bias ``m * (k_pos - (sq - 1))``: under a causal mask it differs from
-    ``-m * (q_pos - k_pos)`` by a per-row constant, which softmax ignores, so the extra memory is
-    O(heads * sk). It must stay fp32: in bf16 the large values lose the position signal. Other
-    cases (an offset query block, dropout, a mask, non-causal) build a [heads, sq, sk] fp32 bias
-    and call ``scaled_dot_product_attention``. On NPU the kernel generates ALiBi itself.
+    On CPU, causal attention with ``q_offset >= 0`` and neither mask nor dropout (training, prefill,
+    decoding with a KV cache) runs ascendspeed's own flash kernel, ``ascendspeed::alibi_flash_attention``
+    (ascendspeed/ops/alibi_flash_attention.py): the bias is generated inside its blockwise softmax in
+    fp32 and the extra memory is one fp32 logsumexp per query row. Other cases (dropout, a mask,
+    non-causal, a query block that starts before the keys) build a [heads, sq, sk] bias and call
+    ``scaled_dot_product_attention``. On NPU the kernel generates ALiBi itself. An empty query block
+    gives an empty result; queries without any key are refused.
     """
     sq, sk = query.size(-2), key.size(-2)
     if q_offset is None:
         q_offset = sk - sq
     if scale is None:
         scale = query.size(-1) ** -0.5
+    if sk == 0 and sq > 0:
+        raise ValueError(
+            f"alibi_attention: key and value are empty (sk=0) but there are {sq} queries; "
+            "every query needs at least one key to attend to"
+        )
     if query.device.type == "npu":
         return _npu_alibi_attention(query, key, value, slopes, causal, q_offset, masked_out, scale, dropout_p)
     slopes = slopes.to(device=query.device, dtype=torch.float32)
-    if query.device.type == "cpu" and causal and q_offset == 0 and masked_out is None and dropout_p == 0.0:
-        key_bias = slopes[:, None] * (torch.arange(sk, device=query.device, dtype=torch.float32) - (sq - 1))
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, True, attn_mask=key_bias[None, :, None, :], scale=scale
-        )
-        return out
+    if query.device.type == "cpu" and causal and q_offset >= 0 and masked_out is None and dropout_p == 0.0:
+        from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
+
+        return alibi_flash_attention(query, key, value, slopes, scale=scale, q_offset=q_offset)
+    if sq == 0:
+        # torch's CPU attention kernels divide by the sequence length: answer the empty block here.
+        return query[..., :0, :1].expand(*query.shape[:-2], 0, value.size(-1)).clone()
     # CPU kernels take an fp32 mask for any query dtype; GPU kernels want the query dtype. Rounding this
     # exact relative form costs little: the entries that carry attention weight (near the diagonal) are small.
     dtype = torch.float32 if query.device.type == "cpu" else query.dtype

@@ -140,21 +140,50 @@ class PatchManager:
 
         A patch written for other megatron-core releases (``Patch.megatron``) is a variant for those
         releases: it is left out here, and the variant for the installed release applies instead.
+        All or nothing: when a patch fails its check, the ones this call applied before it are withdrawn,
+        so a feature is never left half applied.
         """
         installed = installed_version()
         with self._lock:
-            for patch in patches:
-                if patch.megatron is not None and installed not in patch.megatron:
-                    continue
-                entry = _AppliedPatch(feature, patch)
-                if self._is_known(entry):
-                    continue
-                module = sys.modules.get(patch.module_name)
-                if module is None or self._is_loading(module):
-                    self._pending.setdefault(patch.module_name, []).append(entry)
-                    self._ensure_hook()
-                else:
-                    self._apply_now(entry, module)
+            added = []
+            try:
+                for patch in patches:
+                    if patch.megatron is not None and installed not in patch.megatron:
+                        continue
+                    entry = _AppliedPatch(feature, patch)
+                    if self._is_known(entry):
+                        continue
+                    module = sys.modules.get(patch.module_name)
+                    if module is None or self._is_loading(module):
+                        self._pending.setdefault(patch.module_name, []).append(entry)
+                        self._ensure_hook()
+                    else:
+                        self._apply_now(entry, module)
+                    added.append(entry)
+            except PatchError:
+                self._withdraw(added)
+                raise
+
+    def _withdraw(self, entries: list) -> None:
+        """Undo exactly ``entries`` (applied or pending), restoring originals where nothing else remains."""
+        for entry in entries:
+            waiting = self._pending.get(entry.patch.module_name, [])
+            if entry in waiting:
+                waiting.remove(entry)
+                if not waiting:
+                    del self._pending[entry.patch.module_name]
+                continue
+            record = self._targets.get(entry.patch.target)
+            if record is None or entry not in record.applied:
+                continue
+            record.applied.remove(entry)
+            if record.applied:
+                self._install(record)
+            else:
+                self._restore(record)
+                del self._targets[entry.patch.target]
+        if not self._targets and not self._pending:
+            self._remove_hook()
 
     def revert(self, feature: Optional[str] = None) -> None:
         """Undo the patches of ``feature`` (all features when None), restoring originals everywhere."""
@@ -246,7 +275,7 @@ class PatchManager:
         original = vars(owner)[attribute] if is_class and owned else getattr(owner, attribute)
         if patch.expect is not EXISTS:
             found = describe_signature(original)
-            if patch.expect not in (found, describe_signature(original, annotations=False)):
+            if found != patch.expect:
                 raise self._error(entry, f"signature {patch.expect}", f"signature {found}")
         return _Target(
             target=patch.target,

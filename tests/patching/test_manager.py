@@ -246,3 +246,15 @@ def test_markdown_report_names_where_each_patch_is_defined(modules):
     table = manager.format_report(markdown=True).splitlines()
     assert table[0].startswith("| feature | kind | target |")
     assert f"`{target}:scale`" in table[2] and "tests/patching/test_manager.py:" in table[2]
+
+
+def test_a_feature_is_applied_all_or_nothing(modules):
+    manager, target, _ = modules
+    tgt = importlib.import_module(target)
+    original = tgt.scale
+    with pytest.raises(PatchError, match="expected signature"):
+        manager.apply("feat", [
+            replace(f"{target}:scale", tripled, expect=SCALE),
+            replace(f"{target}:Layer.forward", lambda self, x: x, expect="(self, y)"),
+        ])
+    assert tgt.scale is original and manager.report() == []

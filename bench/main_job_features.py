@@ -1,0 +1,108 @@
+"""Throughput of the main job with ascendspeed's features against the same job without them.
+
+    python bench/main_job_features.py [--rounds 3 --train-iters 60 --nproc 2] [--output FILE.json]
+
+Runs ``torchrun --nproc-per-node 2 -m ascendspeed.training.pretrain_gpt`` (the README's first command,
+see docs/training.md) in three configurations, interleaved round by round so that machine noise hits all
+alike:
+
+* ``learned_absolute``: Megatron's defaults (learned absolute position embeddings, GeLU MLP, gradients
+  reduced after backward);
+* ``alibi``: the same with ``--position-embedding-type alibi``;
+* ``features``: ``--position-embedding-type alibi --swiglu --use-fused-swiglu --overlap-grad-reduce``.
+
+Throughput is the median of the job's own tokens/s reports (every ``--log-interval`` iterations, the
+first interval left out as warm-up) per run, then the median over rounds; ratios are against
+``learned_absolute``. Periodic validation is off (one batch at iteration 0, the final evaluation at the
+training length only), so only training is timed. The JSON records the CPU and its vector flags.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "learned_absolute": [],
+    "alibi": ["--position-embedding-type", "alibi"],
+    "features": ["--position-embedding-type", "alibi", "--swiglu", "--use-fused-swiglu", "--overlap-grad-reduce"],
+}
+TOKENS_PER_SECOND = re.compile(r"\|\s*([\d,]+) tokens/s")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--train-iters", type=int, default=60)
+    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--output", help="write the results as JSON here")
+    return parser.parse_args(argv)
+
+
+def run_job(args, extra_flags) -> list[float]:
+    """One training run; its tokens/s reports after the first interval."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
+        "-m", "ascendspeed.training.pretrain_gpt",
+        "--train-iters", str(args.train_iters), "--log-interval", str(args.log_interval),
+        "--eval-interval", str(10 * args.train_iters), "--eval-iters", "1", "--eval-seq-lengths", "128",
+        *extra_flags,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    reports = [float(m.group(1).replace(",", "")) for m in TOKENS_PER_SECOND.finditer(result.stdout)]
+    if len(reports) < 2:
+        raise RuntimeError(f"expected tokens/s reports in the job's output, got:\n{result.stdout[-3000:]}")
+    return reports[1:]
+
+
+def machine() -> dict:
+    model, flags = "unknown", []
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = value.split()
+                break
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return {"cpu_model": model, "cpu_vector_flags": vector, "logical_cpus": os.cpu_count(),
+            "load_average_1min": os.getloadavg()[0]}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    host = machine()
+    runs = {name: [] for name in CONFIGS}
+    for round_index in range(args.rounds):
+        for name, flags in CONFIGS.items():
+            start = time.perf_counter()
+            reports = run_job(args, flags)
+            runs[name].append(statistics.median(reports))
+            print(f"round {round_index + 1}/{args.rounds} {name:<18}{runs[name][-1]:>10,.0f} tokens/s "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    print(f"{host['cpu_model']}, {args.nproc} ranks, {args.train_iters} iterations, median of {args.rounds} rounds")
+    results = {}
+    for name, value in medians.items():
+        ratio = value / medians["learned_absolute"]
+        results[name] = {"flags": " ".join(CONFIGS[name]), "tokens_per_s": round(value), "per_round": runs[name],
+                         "vs_learned_absolute": round(ratio, 3)}
+        print(f"  {name:<18}{value:>10,.0f} tokens/s  {ratio:.3f}x learned_absolute")
+    host["load_average_1min_end"] = os.getloadavg()[0]
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump({"machine": host, "nproc": args.nproc, "train_iters": args.train_iters, "rounds": args.rounds,
+                       "results": results}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
