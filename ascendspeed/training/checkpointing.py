@@ -322,12 +322,12 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
             what = "does not exist" if not Path(args.load).exists() else f"holds no checkpoint (no {TRACKER_FILE})"
             raise CheckpointError(f"--load {args.load} {what}: check the path, or pass --allow-fresh-start to "
                                   f"start from scratch when it holds none")
-        if iteration is not None and iteration > args.train_iters:
-            raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
-                              f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
-                              f"{iteration} to continue training")
         if iteration is not None:
             state = _read_rank_file(args, iteration)
+            if iteration > args.train_iters:
+                raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
+                                  f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
+                                  f"{iteration} to continue training")
             if not args.no_load_optim:
                 _reconcile_schedule(args, state["scheduler"], scheduler)
     except (CheckpointError, ResumeError) as failure:

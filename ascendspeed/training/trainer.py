@@ -224,6 +224,9 @@ class Trainer:
             print_rank_0(f"no checkpoint in {args.load}: starting from scratch (--allow-fresh-start)")
             return
         print_rank_0(f"resumed from {args.load} at iteration {self.iteration}")
+        if args.no_load_optim:
+            print_rank_0("--no-load-optim: the optimizer state and the learning-rate schedule start afresh "
+                         "(warmup included), as in Megatron-LM")
         if self.iteration == args.train_iters:
             print_rank_0(f"the checkpoint already reached --train-iters {args.train_iters}: nothing to train, "
                          f"only validating it; raise --train-iters to continue training")
