@@ -64,7 +64,7 @@ fi
 stamp=$VENV/.ascendspeed-build
 want=$( (cat setup.py requirements.txt $(find ascendspeed/csrc -type f | sort); echo "$want_minor $MEGATRON_CORE") \
   | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import ascendspeed._C" 2>/dev/null; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import torch, ascendspeed._C" 2>/dev/null; then
   pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   if [ -n "$MEGATRON_CORE" ]; then
     # requirements.txt without its megatron-core lines, plus the requested release.
