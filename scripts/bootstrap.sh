@@ -4,8 +4,8 @@
 #
 #   bash scripts/bootstrap.sh
 #       .venv with the newest megatron-core this machine's Pythons allow: a Python 3.12 when one can be
-#       found (python3.12 on PATH, or a 3.12 known to pyenv) with megatron-core 0.19.2, else Python 3 with
-#       megatron-core 0.16.1 (megatron-core 0.17 and newer need Python >= 3.12).
+#       found (python3.12 on PATH, or a 3.12 known to pyenv) with megatron-core 0.19.2, else Python 3.11
+#       (else python3) with megatron-core 0.16.1 (megatron-core 0.17 and newer need Python >= 3.12).
 #   VENV=<dir> MEGATRON_CORE=<version> [PYTHON=<python> | PYTHON_VERSION=<major.minor>] bash scripts/bootstrap.sh
 #       any other environment, e.g. VENV=.venv-0.15 MEGATRON_CORE=0.15.3 PYTHON_VERSION=3.11
 #       (PYTHON_VERSION is looked up on PATH, then in pyenv).
@@ -44,6 +44,7 @@ if [ -z "${PYTHON:-}" ] && [ -n "${PYTHON_VERSION:-}" ]; then
 fi
 if [ -z "${PYTHON:-}" ]; then
   PYTHON=$(find_python 3.12)
+  PYTHON=${PYTHON:-$(find_python 3.11)}
   PYTHON=${PYTHON:-python3}
 fi
 want_minor=$(python_minor "$PYTHON")
@@ -64,7 +65,7 @@ fi
 stamp=$VENV/.ascendspeed-build
 want=$( (cat setup.py requirements.txt $(find ascendspeed/csrc -type f | sort); echo "$want_minor $MEGATRON_CORE") \
   | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import ascendspeed._C" 2>/dev/null; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import torch, ascendspeed._C" 2>/dev/null; then
   pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   if [ -n "$MEGATRON_CORE" ]; then
     # requirements.txt without its megatron-core lines, plus the requested release.
