@@ -64,8 +64,9 @@ def wrap_ddp_init(settings: AsyncDDPSettings, lays_out_before_building: bool = F
             keep = settings.all_stages and ddp_config.overlap_grad_reduce
             if keep:
                 bound.arguments["disable_bucketing"] = False
-                if (lays_out_before_building and ddp_config.use_distributed_optimizer
-                        and bound.arguments["full_param_layout"] is None):
+                # A layout passed in (Megatron-LM 0.18+ computes one per chunk) was made with no buckets on
+                # stages after the first: it is replaced by the same layout with the configured bucket size.
+                if lays_out_before_building and ddp_config.use_distributed_optimizer:
                     bound.arguments["full_param_layout"] = _distributed_optimizer_layout(
                         bound.arguments["module"], ddp_config, bound.arguments["pg_collection"])
             original(*bound.args, **bound.kwargs)
