@@ -16,9 +16,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_batch_on_this_cp_rank
 
 from ascendspeed.features import all_features, apply_features
+from ascendspeed.features.context_parallel.layout import split_for_rank
 from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
@@ -96,10 +96,25 @@ def _loss_func(output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
+def _on_this_context_parallel_rank(batch: Batch) -> dict:
+    """This rank's chunks of every sequence (the balanced causal split megatron-core's
+    ``get_batch_on_this_cp_rank`` makes; its signature changed in 0.19): along the sequence for tokens,
+    labels and positions, along the queries for the attention mask."""
+    fields = dict(vars(batch))
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if cp_size == 1:
+        return fields
+    rank = parallel_state.get_context_parallel_rank()
+    for name, value in fields.items():
+        if torch.is_tensor(value):
+            fields[name] = split_for_rank(value, 2 if name == "attention_mask" else 1, rank, cp_size)
+    return fields
+
+
 def _forward_step(data_iterator, model):
     """Each context-parallel rank takes its chunks of the sequence; the schedule scales the loss by the
     context-parallel size and DDP averages over data x context parallel ranks, as in Megatron-LM."""
-    batch = get_batch_on_this_cp_rank(dict(vars(next(data_iterator))))
+    batch = _on_this_context_parallel_rank(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, _loss_func
 

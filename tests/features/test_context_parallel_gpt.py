@@ -49,10 +49,21 @@ def _loss_and_gradients(model, batch, group):
     return loss, grads
 
 
+def get_batch_on_this_cp_rank(batch):
+    """megatron-core's balanced split of a batch for this context-parallel rank (0.19 added a required
+    ``is_hybrid_cp`` argument)."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank as split
+
+    if "is_hybrid_cp" in inspect.signature(split).parameters:
+        return split(batch, is_hybrid_cp=False)
+    return split(batch)
+
+
 def _compare(rank, world_size, algorithm, ulysses_degree, tp):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from ascendspeed.features import disable_features, enable_features
     from tests.helpers.megatron import (
@@ -132,7 +143,6 @@ def _train_losses(rank, world_size, use_distributed_optimizer, overlap_grad_redu
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from ascendspeed.features import disable_features, enable_features
     from tests.helpers.megatron import (
