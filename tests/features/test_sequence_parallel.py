@@ -90,7 +90,8 @@ def test_tensor_and_sequence_parallel_gradients_equal_the_unsharded_model(sequen
 def test_local_norm_matches_torch_norms_forward_and_backward():
     torch.manual_seed(0)
     x = torch.randn(5, 3, 24, dtype=torch.float64, requires_grad=True)
-    for normalization, reference in (("LayerNorm", torch.nn.LayerNorm(24)), ("RMSNorm", torch.nn.RMSNorm(24))):
+    for normalization, reference in (("LayerNorm", torch.nn.LayerNorm(24, eps=1e-5)),
+                                     ("RMSNorm", torch.nn.RMSNorm(24, eps=1e-5))):
         reference = reference.double()
         with torch.no_grad():
             reference.weight.uniform_(0.5, 1.5)
