@@ -51,13 +51,14 @@ def _loss_and_gradients(model, batch, group):
 
 def get_batch_on_this_cp_rank(batch):
     """megatron-core's balanced split of a batch for this context-parallel rank (0.19 added a required
-    ``is_hybrid_cp`` argument)."""
+    ``is_hybrid_cp`` argument, and without a ``cp_group`` splits over the whole world)."""
     import inspect
 
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank as split
 
     if "is_hybrid_cp" in inspect.signature(split).parameters:
-        return split(batch, is_hybrid_cp=False)
+        return split(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
     return split(batch)
 
 
