@@ -6,13 +6,12 @@ the output dtype, plus a few fp32 ulps of the magnitude of the terms each result
 sums behind rstd and the weight gradient are accumulated in fp32).
 """
 import math
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from tests.helpers.isa import check_under_isa
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -327,18 +326,4 @@ ISA_CHECK = textwrap.dedent(
 @pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_narrower_instruction_sets(isa):
     """The kernels built for older CPUs are correct too (torch picks them via ATEN_CPU_CAPABILITY)."""
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    root = os.path.dirname(tests)
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa.lower(), PYTHONPATH=path)
-    done = subprocess.run(
-        [sys.executable, "-c", ISA_CHECK.format(tests=tests, isa=isa)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    if done.stdout.startswith("unsupported"):
-        pytest.skip(f"this CPU cannot run {isa} kernels ({done.stdout.strip()})")
-    assert done.stdout.strip() == f"ok {isa}"
+    check_under_isa(ISA_CHECK, isa)
