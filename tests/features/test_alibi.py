@@ -149,6 +149,55 @@ def test_attention_matches_float64_reference(megatron_world, dtype, fused, sq, s
         assert mu.relative_error(actual.grad, leaf.grad) < 2 * tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_path_softmax_and_its_backward_see_no_subnormals(megatron_world, dtype):
+    """At 1024 tokens ALiBi's steepest heads make distant keys' probabilities subnormal, which many x86
+    CPUs process a hundred times slower; the local path flushes them to zero forward and backward and
+    restores the threads' mode afterwards."""
+    tiny = torch.finfo(torch.float32).tiny
+    heads, head_dim, s = 4, 16, 1024
+    module = attention_module(heads, heads, head_dim, dtype, fused=False)
+    q, k, v = (torch.randn(s, 1, heads, head_dim).to(dtype).requires_grad_() for _ in range(3))
+    captured = {}
+
+    def keep_probs(softmax, inputs, probs):
+        def keep_modes(grad):
+            captured["modes"] = list(torch.ops.ascendspeed._flush_subnormals_states())
+
+        def keep_grad(grad):
+            captured["grad_scores"] = grad
+
+        captured["probs"] = probs
+        probs.register_hook(keep_modes)
+        inputs[0].register_hook(keep_grad)
+
+    handle = module.scale_mask_softmax.register_forward_hook(keep_probs)
+    try:
+        out = module(q, k, v, None)
+        out.backward(torch.randn_like(out))
+    finally:
+        handle.remove()
+
+    probs = captured["probs"].float()
+    visible = torch.ones(s, s, dtype=torch.bool).tril()
+    unflushed = torch.softmax(_scores_of(q, k, heads).masked_fill(~visible, float("-inf")), -1)[:, :, visible]
+    assert ((unflushed != 0) & (unflushed < tiny)).sum() > 1000, "the test must produce subnormal probabilities"
+    assert ((probs != 0) & (probs.abs() < tiny)).sum() == 0
+    grad_scores = captured["grad_scores"].float()
+    assert ((grad_scores != 0) & (grad_scores.abs() < tiny)).sum() == 0
+    assert all(captured["modes"]), "the softmax backward runs flushed on every thread"
+    assert not any(torch.ops.ascendspeed._flush_subnormals_states()), "and the mode is restored afterwards"
+
+
+def _scores_of(q, k, heads):
+    """The local path's biased scores [1, heads, s, s] in fp32, recomputed without flushing."""
+    q, k = (t.detach().float().permute(1, 2, 0, 3) for t in (q, k))
+    s = q.size(-2)
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    distance = torch.arange(s)[:, None] - torch.arange(s)
+    return scores - alibi_slopes(heads)[:, None, None] * distance
+
+
 def test_fused_and_local_attention_agree(megatron_world):
     torch.manual_seed(torch.seed())
     q, k, v = (torch.randn(64, 2, 4, 16, requires_grad=True) for _ in range(3))

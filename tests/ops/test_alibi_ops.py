@@ -1,10 +1,12 @@
 """ALiBi operators: slopes, the in-place bias kernel, and fused attention against float64 references."""
 import math
+import textwrap
 
 import pytest
 import torch
 
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, alibi_slopes, local_alibi_slopes
+from tests.helpers.isa import check_under_isa
 
 
 def paper_slopes(n):
@@ -122,6 +124,36 @@ def test_bias_kernel_is_the_fp32_sum_rounded_once(dtype, symmetric, batch, heads
     actual = scores.clone()
     assert alibi_bias_(actual, slopes, q_offset, symmetric=symmetric) is actual
     assert torch.equal(actual, expected)
+
+
+def test_bias_kernel_is_vectorized_and_multi_threaded():
+    kernel = torch.ops.ascendspeed._alibi_bias_cpu_kernel()
+    assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
+    assert kernel.split(",")[0] == torch.ops.ascendspeed._rms_norm_cpu_kernel().split(",")[0]
+
+
+BIAS_ISA_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from ops.test_alibi_ops import KERNEL_CASES, test_bias_kernel_is_the_fp32_sum_rounded_once as check
+    isa = torch.ops.ascendspeed._alibi_bias_cpu_kernel().split(",")[0]
+    if isa != {isa!r}:
+        print("unsupported", isa)
+        raise SystemExit(0)
+    for dtype in [torch.float32, torch.bfloat16, torch.float16, torch.float64]:
+        for symmetric in [False, True]:
+            for case in KERNEL_CASES:
+                check(dtype, symmetric, *case)
+    print("ok", isa)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_bias_kernel_for_narrower_instruction_sets(isa):
+    """The kernels built for older CPUs add the same bits (torch picks them via ATEN_CPU_CAPABILITY)."""
+    check_under_isa(BIAS_ISA_CHECK, isa)
 
 
 def test_bias_kernel_handles_3d_and_strided_scores():

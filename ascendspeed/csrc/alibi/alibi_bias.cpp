@@ -7,106 +7,27 @@
 // its true distance. The causal form uses distance = q_pos - k_pos (its values beyond the diagonal
 // are masked afterwards); the symmetric form uses |q_pos - k_pos|, for non-causal attention.
 //
-// The bias is computed in opmath (fp32; fp64 for double scores) whatever the score dtype: the
-// distance is an exact integer and the bias is a single rounding of slope * distance, added to the
-// score before the one rounding back to the score dtype.
+// The CPU kernels (alibi_bias_kernels_impl.h) are compiled per instruction set; this file holds the
+// schema, the one argument check and the choice of kernels.
+#include "alibi_bias_kernels.h"
+#include "../common/cpu_isa.h"
+
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdlib>
-#include <type_traits>
+#include <string>
 
-namespace ascendspeed {
+namespace ascendspeed::alibi {
 namespace {
-
-using at::vec::Vectorized;
 
 // Integer distances stay exact in fp32 below 2^24.
 constexpr int64_t kMaxExactPosition = int64_t{1} << 24;
 
-template <typename opmath_t>
-inline opmath_t scalar_bias(opmath_t neg_slope, int64_t q_pos, int64_t k, bool symmetric) {
-  int64_t distance = q_pos - k;
-  if (symmetric) {
-    distance = std::llabs(distance);
-  }
-  return neg_slope * static_cast<opmath_t>(distance);
-}
-
-template <typename opmath_t>
-inline Vectorized<opmath_t> vector_bias(
-    const Vectorized<opmath_t>& neg_slope,
-    const Vectorized<opmath_t>& q_pos,
-    const Vectorized<opmath_t>& k,
-    bool symmetric) {
-  auto distance = q_pos - k;
-  if (symmetric) {
-    distance = distance.abs();
-  }
-  return neg_slope * distance;
-}
-
-// fp32 / fp64 scores: the bias is computed in the score dtype itself.
-template <typename scalar_t>
-void add_bias_row(scalar_t* row, int64_t sk, scalar_t neg_slope, int64_t q_pos, bool symmetric) {
-  using Vec = Vectorized<scalar_t>;
-  constexpr int64_t kWidth = Vec::size();
-  const Vec neg_slope_vec(neg_slope);
-  const Vec q_pos_vec(static_cast<scalar_t>(q_pos));
-  const Vec step(static_cast<scalar_t>(kWidth));
-  Vec k_vec = Vec::arange(scalar_t(0), scalar_t(1));
-  int64_t j = 0;
-  for (; j + kWidth <= sk; j += kWidth) {
-    const Vec scores = Vec::loadu(row + j);
-    (scores + vector_bias(neg_slope_vec, q_pos_vec, k_vec, symmetric)).store(row + j);
-    k_vec = k_vec + step;
-  }
-  for (; j < sk; ++j) {
-    row[j] += scalar_bias(neg_slope, q_pos, j, symmetric);
-  }
-}
-
-// bf16 / fp16 scores: widen to fp32, add, round once on the way back.
-template <typename scalar_t>
-void add_bias_row_reduced(scalar_t* row, int64_t sk, float neg_slope, int64_t q_pos, bool symmetric) {
-  using Vec = Vectorized<scalar_t>;
-  using FVec = Vectorized<float>;
-  constexpr int64_t kWidth = Vec::size();
-  static_assert(kWidth == 2 * FVec::size(), "a reduced-precision vector widens to two float vectors");
-  const FVec neg_slope_vec(neg_slope);
-  const FVec q_pos_vec(static_cast<float>(q_pos));
-  const FVec half_step(static_cast<float>(FVec::size()));
-  const FVec step(static_cast<float>(kWidth));
-  FVec k_lo = FVec::arange(0.f, 1.f);
-  int64_t j = 0;
-  for (; j + kWidth <= sk; j += kWidth) {
-    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec::loadu(row + j));
-    const FVec k_hi = k_lo + half_step;
-    lo = lo + vector_bias(neg_slope_vec, q_pos_vec, k_lo, symmetric);
-    hi = hi + vector_bias(neg_slope_vec, q_pos_vec, k_hi, symmetric);
-    at::vec::convert_from_float<scalar_t>(lo, hi).store(row + j);
-    k_lo = k_lo + step;
-  }
-  for (; j < sk; ++j) {
-    row[j] = static_cast<scalar_t>(static_cast<float>(row[j]) + scalar_bias(neg_slope, q_pos, j, symmetric));
-  }
-}
-
-// Any layout whose last dimension is not unit-stride: plain loop in opmath.
-template <typename scalar_t, typename opmath_t>
-void add_bias_row_strided(
-    scalar_t* row, int64_t stride, int64_t sk, opmath_t neg_slope, int64_t q_pos, bool symmetric) {
-  for (int64_t j = 0; j < sk; ++j) {
-    scalar_t& score = row[j * stride];
-    score = static_cast<scalar_t>(static_cast<opmath_t>(score) + scalar_bias(neg_slope, q_pos, j, symmetric));
-  }
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels& chosen =
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+  return chosen;
 }
 
 // The one argument check of ascendspeed::alibi_bias_, called by the CPU and the Meta kernel (and so by
@@ -144,44 +65,12 @@ void check_alibi_bias(const at::Tensor& scores, const at::Tensor& slopes, int64_
 
 void alibi_bias_cpu_(const at::Tensor& scores, const at::Tensor& slopes, int64_t q_offset, bool symmetric) {
   check_alibi_bias(scores, slopes, q_offset);
-  const int64_t batch = scores.dim() == 4 ? scores.size(0) : 1;
-  const int64_t heads = scores.size(-3);
-  const int64_t sq = scores.size(-2);
-  const int64_t sk = scores.size(-1);
   if (scores.numel() == 0) {
     return;
   }
 
   const at::Tensor slopes_c = slopes.contiguous();
-  const float* slope_data = slopes_c.data_ptr<float>();
-  const int64_t stride_b = scores.dim() == 4 ? scores.stride(0) : 0;
-  const int64_t stride_h = scores.stride(-3);
-  const int64_t stride_q = scores.stride(-2);
-  const int64_t stride_k = scores.stride(-1);
-  const int64_t rows = batch * heads * sq;
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(sk, 1));
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "alibi_bias_", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    scalar_t* base = scores.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t i = r % sq;
-        const int64_t h = (r / sq) % heads;
-        const int64_t b = r / (sq * heads);
-        scalar_t* row = base + b * stride_b + h * stride_h + i * stride_q;
-        const opmath_t neg_slope = -static_cast<opmath_t>(slope_data[h]);
-        const int64_t q_pos = i + q_offset;
-        if (stride_k != 1) {
-          add_bias_row_strided<scalar_t, opmath_t>(row, stride_k, sk, neg_slope, q_pos, symmetric);
-        } else if constexpr (std::is_same_v<scalar_t, opmath_t>) {
-          add_bias_row<scalar_t>(row, sk, neg_slope, q_pos, symmetric);
-        } else {
-          add_bias_row_reduced<scalar_t>(row, sk, neg_slope, q_pos, symmetric);
-        }
-      }
-    });
-  });
+  cpu_kernels().add_bias(scores, slopes_c.data_ptr<float>(), q_offset, symmetric);
 }
 
 // FakeTensor / torch.compile: nothing to compute, everything to check.
@@ -189,21 +78,25 @@ void alibi_bias_meta_(const at::Tensor& scores, const at::Tensor& slopes, int64_
   check_alibi_bias(scores, slopes, q_offset);
 }
 
+std::string cpu_kernel() {
+  return cpu::describe_kernels(cpu_kernels().isa);
+}
+
 }  // namespace
+}  // namespace ascendspeed::alibi
 
 TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
   m.set_python_module("ascendspeed.ops.alibi");
   m.def(
       "alibi_bias_(Tensor(a!) scores, Tensor slopes, int q_offset=0, bool symmetric=False) -> ()",
       {at::Tag::pt2_compliant_tag});
+  m.def("_alibi_bias_cpu_kernel() -> str", &ascendspeed::alibi::cpu_kernel);
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {
-  m.impl("alibi_bias_", &alibi_bias_cpu_);
+  m.impl("alibi_bias_", &ascendspeed::alibi::alibi_bias_cpu_);
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, Meta, m) {
-  m.impl("alibi_bias_", &alibi_bias_meta_);
+  m.impl("alibi_bias_", &ascendspeed::alibi::alibi_bias_meta_);
 }
-
-}  // namespace ascendspeed

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "block_gemm.h"
+#include "../common/flush_subnormals.h"
 
 namespace ascendspeed::alibi_attention {
 namespace CPU_CAPABILITY {
@@ -102,28 +103,6 @@ acc_t exp_shifted(acc_t* s, int64_t visible, int64_t block_keys, acc_t shift) {
   return at::vec::vec_reduce_all<acc_t>([](const Vec& x, const Vec& y) { return x + y; }, sum_vec);
 }
 
-// Flushes subnormal results to zero and reads subnormal inputs as zero (FTZ/DAZ) on the calling thread
-// while it lives. ALiBi pushes distant keys' probabilities far below 1e-30; on many x86 cores every
-// subnormal operand or result of a multiply costs a microcode assist of a hundred cycles or more, so
-// without this the cost would depend on the CPU. The values affected are below 1.2e-38 (fp32's
-// smallest normal number), far under any output's resolution.
-class FlushSubnormals {
- public:
-#if defined(__x86_64__) || defined(_M_X64)
-  FlushSubnormals() : saved_(_mm_getcsr()) {
-    _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero);
-  }
-  ~FlushSubnormals() {
-    _mm_setcsr(saved_);
-  }
-
- private:
-  static constexpr unsigned kFlushToZero = 0x8000;
-  static constexpr unsigned kDenormalsAreZero = 0x0040;
-  unsigned saved_;
-#endif
-};
-
 // Keys [0, key_end) can be seen by some row of the query block [q_begin, q_end).
 inline int64_t key_end_of(int64_t q_end, int64_t q_offset, int64_t sk) {
   return std::min(sk, q_end - 1 + q_offset + 1);
@@ -183,7 +162,7 @@ void forward_typed(
 
   // One (batch, head) per task, its query blocks in order: a head's keys and values are widened once.
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals flush_subnormals;
+    const ascendspeed::cpu::FlushSubnormals flush_subnormals;  // see ../common/flush_subnormals.h
     std::vector<acc_t> scores(kBlockQ * kBlockK);
     std::vector<acc_t> acc(kBlockQ * dim);
     std::vector<acc_t> row_max(kBlockQ), row_sum(kBlockQ);
@@ -288,7 +267,7 @@ void backward_typed(
 
   // One (batch, head) per task: grad_k and grad_v of a head accumulate over all its query blocks.
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals flush_subnormals;
+    const ascendspeed::cpu::FlushSubnormals flush_subnormals;  // see ../common/flush_subnormals.h
     std::vector<acc_t> probs(kBlockQ * kBlockK), grad_scores(kBlockQ * kBlockK);
     std::vector<acc_t> gq_acc(kBlockQ * dim), gk_acc(sk * dim), gv_acc(sk * dim), delta(kBlockQ);
     WideRows<scalar_t, acc_t> q_rows, go_rows, k_rows, v_rows;

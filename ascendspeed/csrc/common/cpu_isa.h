@@ -1,6 +1,6 @@
-// Shared by the rms_norm and rotary operators: the choice of per-instruction-set kernels and the
-// allocation of large outputs. Compiled for the baseline ISA (include it from the operator's .cpp,
-// not from a kernels_<isa>.cpp).
+// Shared by the operators with per-instruction-set kernels (rms_norm, rotary, alibi_bias_): the choice
+// of kernels and the allocation of large outputs. Compiled for the baseline ISA (include it from the
+// operator's .cpp, not from a kernels_<isa>.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

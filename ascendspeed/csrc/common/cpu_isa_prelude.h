@@ -5,6 +5,8 @@
 // instructions.
 #pragma once
 
+#include "flush_subnormals.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/NumericUtils.h>
 #include <ATen/OpMathType.h>

@@ -6,7 +6,8 @@ with the feature's ``AlibiSettings`` under the one declared attribute ``CONFIG_A
 self-attention ``DotProductAttention`` built from such a config holds an ``AlibiLayer`` (``.alibi``):
 
 * local path: Megatron's own forward runs unchanged; its ``FusedScaleMaskSoftmax`` receives the scaled
-  ``baddbmm`` scores and first adds the bias in place (``ascendspeed::alibi_bias_``);
+  ``baddbmm`` scores and first adds the bias in place (``ascendspeed::alibi_bias_``), then normalises
+  them with subnormals flushed to zero;
 * fused path (``AlibiSettings(fused=True)``): the forward is ``ascendspeed.ops.alibi_attention``.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
+from ascendspeed.ops.subnormals import flush_subnormals_in_backward, flushing_subnormals
 from ascendspeed.patching import Patch, wrap
 
 #: The ``TransformerConfig`` attribute that carries a model's ``AlibiSettings`` to its attention layers.
@@ -116,14 +118,23 @@ def wrap_attention_init(original):
 
 
 def wrap_softmax_forward(original):
-    """The local path: the bias goes onto the scaled scores right before Megatron masks and normalises."""
+    """The local path: the bias goes onto the scaled scores right before Megatron masks and normalises.
+
+    The softmax and its backward run with subnormals flushed to zero (``ascendspeed.ops.subnormals``):
+    the bias makes distant keys' probabilities subnormal, which many x86 CPUs process a hundred times
+    slower than other numbers, and flushing changes each of them by less than 1.2e-38.
+    """
 
     @functools.wraps(original)
     def forward(self, input, mask, softmax_offset=None):
         alibi = self.__dict__.get("alibi")
-        if alibi is not None:
-            alibi.add_bias_(input)
-        return original(self, input, mask, softmax_offset)
+        if alibi is None:
+            return original(self, input, mask, softmax_offset)
+        alibi.add_bias_(input)
+        with flushing_subnormals(input.device):
+            probs = original(self, input, mask, softmax_offset)
+        flush_subnormals_in_backward(probs, input)
+        return probs
 
     return forward
 
