@@ -42,13 +42,14 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-channels", type=int, default=None, help="default hidden size / attention heads")
     group.add_argument("--seq-length", type=int, default=128)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
-    group.add_argument("--position-embedding-type", default="learned_absolute",
-                       choices=["learned_absolute", "rope", "none"])
+    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     group.add_argument("--rotary-percent", type=float, default=1.0)
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (LLaMA)")
+    group.add_argument("--no-swiglu", action="store_false", dest="swiglu",
+                       help="Megatron's default GeLU MLP instead of the default job's SwiGLU")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument("--attention-dropout", type=float, default=0.0)
@@ -82,6 +83,8 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--no-overlap-grad-reduce", action="store_false", dest="overlap_grad_reduce",
+                       help="reduce gradients after the backward pass, as Megatron does by default")
     group.add_argument("--no-align-grad-reduce", action="store_false", dest="align_grad_reduce")
     group.add_argument("--ddp-bucket-size", type=int, default=None,
                        help="elements per gradient bucket (default max(4e7, 1e6 * data-parallel size))")
@@ -159,6 +162,18 @@ def _add_data_and_logging_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep training when the loss or gradient norm is NaN or infinite (default: stop)")
 
 
+#: The default job shows what ascendspeed is for: ALiBi (and so perplexity at 2x and 4x the training
+#: length), a SwiGLU MLP on the fused operator, and gradients reduced while backward runs. These are
+#: Megatron-LM's flags with other defaults; Megatron's own are ``--position-embedding-type
+#: learned_absolute --no-swiglu --no-overlap-grad-reduce``. ``use_fused_swiglu`` None means "with --swiglu".
+DEFAULT_JOB_FEATURES = {
+    "position_embedding_type": "alibi",
+    "swiglu": True,
+    "use_fused_swiglu": None,
+    "overlap_grad_reduce": True,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m ascendspeed.training.pretrain_gpt",
@@ -173,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_optimizer_arguments(parser)
     _add_data_and_logging_arguments(parser)
     add_feature_arguments(parser)
+    parser.add_argument("--no-use-fused-swiglu", action="store_false", dest="use_fused_swiglu",
+                        help="with --swiglu, megatron-core's own SwiGLU instead of the fused operator")
+    parser.set_defaults(**DEFAULT_JOB_FEATURES)
     # Megatron-LM flags a feature reads but the entry does not offer keep the feature's default.
     defined = {action.dest for action in parser._actions}
     for feature in all_features():
@@ -294,6 +312,8 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
     args.num_microbatches = args.global_batch_size // per_step
     _finalize_pipeline(args)
+    if args.use_fused_swiglu is None:
+        args.use_fused_swiglu = args.swiglu
     _finalize_model_shape(args)
     _finalize_schedule(args)
 

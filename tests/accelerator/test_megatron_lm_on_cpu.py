@@ -15,6 +15,7 @@ import sysconfig
 import pytest
 
 import ascendspeed
+from tests.helpers.megatron_lm import add_megatron_lm_to_path
 
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(
@@ -97,7 +98,7 @@ def test_pretrain_gpt_two_processes_interleaved_pipeline(launcher):
 
 @pytest.fixture(scope="module")
 def megatron_lm_arguments():
-    sys.path.insert(0, MEGATRON_LM_PATH)
+    add_megatron_lm_to_path()
     import ascendspeed.megatron_adaptor  # noqa: F401
     from megatron.training import arguments
 

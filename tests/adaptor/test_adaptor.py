@@ -10,6 +10,7 @@ import pytest
 import ascendspeed.megatron_adaptor  # noqa: F401 - the import under test
 from ascendspeed import adaptor
 from ascendspeed.patching import MANAGER
+from tests.helpers.megatron_lm import add_megatron_lm_to_path
 
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 
@@ -65,7 +66,7 @@ def test_list_entry_point_prints_the_patches():
 
 @pytest.mark.skipif(not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
 def test_megatron_lm_parser_knows_ascendspeed_flags():
-    sys.path.insert(0, MEGATRON_LM_PATH)
+    add_megatron_lm_to_path()
     from megatron.training import arguments
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))

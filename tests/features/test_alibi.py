@@ -22,6 +22,7 @@ from ascendspeed.features import (
 from ascendspeed.features.alibi import AlibiSettings, mark_config
 from ascendspeed.ops.alibi import alibi_slopes
 from ascendspeed.patching import MANAGER
+from tests.helpers.megatron_lm import add_megatron_lm_to_path
 
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 
@@ -75,7 +76,7 @@ def test_alibi_is_a_position_embedding_choice():
 def test_megatron_lm_parser_accepts_alibi():
     import sys
 
-    sys.path.insert(0, MEGATRON_LM_PATH)
+    add_megatron_lm_to_path()
     from megatron.training import arguments
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))

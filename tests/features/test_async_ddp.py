@@ -18,6 +18,7 @@ from ascendspeed.features.async_ddp import FEATURE
 from ascendspeed.features.async_ddp.telemetry import BucketRecord, IterationRecord, Telemetry, covered_time
 from ascendspeed.patching import PatchManager
 from tests.helpers.distributed import run_distributed
+from tests.helpers.megatron_lm import add_megatron_lm_to_path
 
 GRADIENT_CONFIGS = {
     "off": {"overlap": False},
@@ -125,7 +126,7 @@ def test_telemetry_totals_and_log_line():
 
 @pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
 def test_megatron_arguments_exist_in_megatron_lm():
-    sys.path.insert(0, os.environ["MEGATRON_LM_PATH"])
+    add_megatron_lm_to_path()
     from megatron.training import arguments
 
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))

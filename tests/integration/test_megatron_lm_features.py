@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from tests.helpers.megatron_lm import add_megatron_lm_to_path
+
 MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run these"
@@ -172,8 +174,7 @@ def test_invalid_combination_fails_before_training(launcher):
 def megatron_lm_arguments():
     import ascendspeed.megatron_adaptor  # noqa: F401
 
-    if MEGATRON_LM_PATH not in sys.path:
-        sys.path.append(MEGATRON_LM_PATH)
+    add_megatron_lm_to_path()
     from megatron.training import arguments
 
     return arguments

@@ -33,10 +33,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_torchrun_two_processes_train_and_report():
+MEGATRON_DEFAULTS = ("--position-embedding-type", "learned_absolute", "--no-swiglu", "--no-overlap-grad-reduce")
+
+
+@pytest.mark.parametrize("flags", [(), MEGATRON_DEFAULTS], ids=["default_job", "megatron_defaults"])
+def test_torchrun_two_processes_train_and_report(flags):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-        "-m", "ascendspeed.training.pretrain_gpt", *TINY,
+        "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
         "--train-iters", "30", "--log-interval", "10", "--eval-interval", "15", "--eval-seq-lengths", "64", "128",
     ]
     env = dict(os.environ, ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
@@ -57,7 +61,12 @@ def test_torchrun_two_processes_train_and_report():
     assert validation[0] == pytest.approx(math.log(256), abs=0.3)
     assert validation[-1] < validation[0] - 1.5
     assert re.search(r"^ +64 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
-    assert re.search(r"^ +128 +skipped: learned_absolute position embeddings have 64 positions", out, re.M), out
+    if flags:
+        assert "ascendspeed features: none enabled" in out
+        assert re.search(r"^ +128 +skipped: learned_absolute position embeddings have 64 positions", out, re.M), out
+    else:  # the default job: ALiBi, fused SwiGLU, overlapped gradient reduction; ALiBi evaluates past 64 tokens
+        assert "ascendspeed features: async_ddp, alibi, fused_swiglu " in out
+        assert re.search(r"^ +128 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
 
 
 def _checkpoint_worker(rank, world_size, directory, extra):

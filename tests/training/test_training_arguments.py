@@ -39,10 +39,24 @@ def test_defaults_are_the_embedded_job():
     assert args.global_batch_size == args.micro_batch_size * 2
     assert args.num_microbatches == 1
     assert args.max_position_embeddings == args.seq_length
-    assert args.ffn_hidden_size == 4 * args.hidden_size
+    assert args.ffn_hidden_size == (4 * args.hidden_size * 2 // 3) // 64 * 64  # SwiGLU's, as Megatron-LM sizes it
     assert args.kv_channels == args.hidden_size // args.num_attention_heads
     assert args.eval_seq_lengths == [args.seq_length, 2 * args.seq_length, 4 * args.seq_length]
     assert args.lr_decay_iters == args.train_iters
+    # what the default job shows: ALiBi, SwiGLU on the fused operator, overlapped gradient reduction
+    assert (args.position_embedding_type, args.swiglu, args.use_fused_swiglu, args.overlap_grad_reduce) == (
+        "alibi", True, True, True)
+
+
+def test_megatron_defaults_are_one_flag_each_away():
+    args = parse_args(["--position-embedding-type", "learned_absolute", "--no-swiglu", "--no-overlap-grad-reduce"],
+                      world_size=2, device="cpu")
+    assert (args.position_embedding_type, args.swiglu, args.use_fused_swiglu, args.overlap_grad_reduce) == (
+        "learned_absolute", False, False, False)
+    assert args.ffn_hidden_size == 4 * args.hidden_size
+    assert not parse_args(["--no-use-fused-swiglu"], world_size=2, device="cpu").use_fused_swiglu
+    with pytest.raises(SystemExit):  # explicitly asked for, the fused SwiGLU still needs --swiglu
+        parse_args(["--no-swiglu", "--use-fused-swiglu"], world_size=2, device="cpu")
 
 
 def test_cpu_turns_off_cuda_only_fusions_and_uses_gloo():
@@ -71,7 +85,8 @@ def test_swiglu_sizes_the_mlp_like_megatron():
     (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
     (["--lr-warmup-iters", "50", "--train-iters", "50"], "--lr-warmup-iters"),
     (["--fp16", "--bf16"], "exclusive"),
-    (["--seq-length", "128", "--max-position-embeddings", "64"], "--max-position-embeddings"),
+    (["--position-embedding-type", "learned_absolute", "--seq-length", "128", "--max-position-embeddings", "64"],
+     "--max-position-embeddings"),
     (["--tensor-model-parallel-size", "3"], "world size 2"),
     (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "micro-batches"),

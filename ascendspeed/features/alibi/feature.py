@@ -53,9 +53,9 @@ class AlibiFeature(Feature[AlibiSettings]):
         group = parser.add_argument_group("ascendspeed ALiBi")
         group.add_argument(
             "--alibi-fused-attention", action="store_true",
-            help="With --position-embedding-type alibi, compute attention with the fused kernel (torch's "
-            "flash attention with an O(heads * seq) fp32 bias; npu_fusion_attention on NPU) instead of "
-            "Megatron's local attention with the in-place bias operator.",
+            help="With --position-embedding-type alibi, compute attention with the fused kernel (ascendspeed's "
+            "flash attention generating the bias inside, one fp32 logsumexp per query row saved; "
+            "npu_fusion_attention on NPU) instead of Megatron's local attention with the in-place bias operator.",
         )
 
     def extend_megatron_arguments(self, parser: argparse.ArgumentParser) -> None:
