@@ -69,6 +69,24 @@ class AlibiLayer:
         """Add the bias to Megatron's scaled [b, heads, sq, sk] scores; queries end where the keys end."""
         alibi_bias_(scores, self.slopes_on(scores.device), symmetric=not self.causal)
 
+    def bias_span(self, keys: int) -> float:
+        """How far, in nats, the bias alone puts the most distant of ``keys`` keys below the nearest."""
+        if self.slopes is not None:
+            return float(self.slopes.abs().max()) * (keys - 1)
+        return _steepest_paper_slope(self.num_heads, self.tp_rank, self.tp_size) * (keys - 1)
+
+
+#: Bias spans (nats) from which the local path flushes subnormals: probabilities reach fp32's subnormal
+#: range (below e^-87) only when scores spread that far, and a span of 40 leaves the query-key part
+#: little to add. Below it the per-call switches of the threads' mode are not worth it (the short
+#: sequences of the default job); above it either choice is exact to fp32, flushing is the fast one.
+FLUSH_FROM_BIAS_SPAN = 40.0
+
+
+@functools.lru_cache(maxsize=None)
+def _steepest_paper_slope(num_heads: int, tp_rank: int, tp_size: int) -> float:
+    return float(local_alibi_slopes(num_heads, tp_rank, tp_size).max())
+
 
 def _causal(attn_mask_type) -> bool:
     return "causal" in attn_mask_type.name
@@ -120,9 +138,10 @@ def wrap_attention_init(original):
 def wrap_softmax_forward(original):
     """The local path: the bias goes onto the scaled scores right before Megatron masks and normalises.
 
-    The softmax and its backward run with subnormals flushed to zero (``ascendspeed.ops.subnormals``):
-    the bias makes distant keys' probabilities subnormal, which many x86 CPUs process a hundred times
-    slower than other numbers, and flushing changes each of them by less than 1.2e-38.
+    Where the bias spans ``FLUSH_FROM_BIAS_SPAN`` nats or more, the softmax and its backward run with
+    subnormals flushed to zero (``ascendspeed.ops.subnormals``): the bias makes distant keys'
+    probabilities subnormal, which many x86 CPUs process a hundred times slower than other numbers, and
+    flushing changes each of them by less than 1.2e-38.
     """
 
     @functools.wraps(original)
@@ -131,6 +150,8 @@ def wrap_softmax_forward(original):
         if alibi is None:
             return original(self, input, mask, softmax_offset)
         alibi.add_bias_(input)
+        if alibi.bias_span(input.size(-1)) < FLUSH_FROM_BIAS_SPAN:
+            return original(self, input, mask, softmax_offset)
         with flushing_subnormals(input.device):
             probs = original(self, input, mask, softmax_offset)
         flush_subnormals_in_backward(probs, input)
