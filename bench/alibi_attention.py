@@ -20,7 +20,9 @@ interleaved so machine noise hits all alike; ratios are against ``none`` of the 
 Two clocks: wall time, and the CPU time of this process (``time.process_time``, with OpenMP's idle threads
 sleeping instead of spinning: ``OMP_WAIT_POLICY=passive`` unless set). On a machine shared with other jobs
 the wall time mostly measures the neighbours; the CPU time is the work a variant does.
-The time spent inside the in-place operator is also measured on its own.
+The time spent inside the in-place operator is also measured on its own, and for the local variants with
+a bias the share of visible probabilities the softmax writes as subnormal numbers (the values many x86
+cores process with a microcode assist; the ALiBi path flushes them to zero, the materialised one cannot).
 Memory (``--memory``, first seq and dtype only): each variant runs in a fresh process (glibc's mmap
 threshold fixed at 64 KiB, so freed buffers leave the resident set at once): the peak resident memory of
 a step (after a warm-up step, the kernel's high-water mark reset through /proc/self/clear_refs) minus the
@@ -108,6 +110,7 @@ class Bench:
         self.shape = (b, h, seq, d)
         self.operator_ms = []
         self.steps = {}
+        self.modules = {}
 
     def variants(self):
         return [v for v in VARIANTS if self.materialised or not v.endswith("/materialised")]
@@ -166,6 +169,7 @@ class Bench:
             if bias == "alibi":
                 self.time_operator(module.alibi)
             inputs = self.megatron_inputs
+            self.modules[variant] = module
 
             def forward():
                 return module(*inputs, None)
@@ -193,6 +197,23 @@ class Bench:
 
         self.steps[variant] = run
         return run
+
+
+    def subnormal_share(self, variant) -> float:
+        """The share of the visible attention probabilities that the local path's softmax writes as subnormal
+        numbers (below 1.2e-38: what many x86 cores multiply with a microcode assist), in one step."""
+        torch = self.torch
+        captured = []
+        softmax = self.modules[variant].scale_mask_softmax
+        handle = softmax.register_forward_hook(lambda module, inputs, probs: captured.append(probs.detach()))
+        try:
+            self.step(variant)()
+        finally:
+            handle.remove()
+        probs = captured[0]
+        subnormal = int(((probs != 0) & (probs.float().abs() < torch.finfo(torch.float32).tiny)).sum())
+        b, s = self.shape[0], self.shape[2]
+        return subnormal / (b * self.local_heads * s * (s + 1) / 2)
 
 
 def time_variants(args, seq, dtype_name):
@@ -291,6 +312,10 @@ def main(argv=None):
                 print(f"  {variant:<22}{wall:>10.1f}{row['time_vs_none']:>9.3f}{cpu:>10.1f}{row['cpu_time_vs_none']:>9.3f}")
             results["local/alibi"]["operator_ms"] = round(operator_ms, 1)
             print(f"  in-place operator alone: {operator_ms:.1f} ms per call")
+            for variant in ("local/alibi", "local/materialised"):
+                if variant in results:
+                    results[variant]["subnormal_share"] = bench.subnormal_share(variant)
+                    print(f"  {variant}: {100 * results[variant]['subnormal_share']:.3f}% of visible probabilities subnormal")
             if args.memory and not configs:
                 for variant in medians:
                     results[variant]["mib"] = round(measure_memory(args, variant, seq, dtype_name), 1)
