@@ -29,6 +29,8 @@ import sys
 import time
 import warnings
 
+from allocator import rerun_with_warm_allocator, warm_allocator_active
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4096, 4096)
 QUICK_SHAPE = (256, 1024)  # --quick: a smoke run of the script itself
@@ -161,7 +163,8 @@ def report(result) -> str:
     lines = [
         f"CPU: {result['cpu']['model']} ({result['cpu']['cores']} cores, shared with other work); "
         f"torch {result['torch']}; kernels: {result['kernel']}; {result['threads']} threads; "
-        f"1-minute load average {result['load_before']:.1f} before, {result['load_after']:.1f} after",
+        f"1-minute load average {result['load_before']:.1f} before, {result['load_after']:.1f} after"
+        + ("; warm allocator (freed memory reused)" if result["warm_allocator"] else "; glibc's default allocator"),
         "",
         "Medians of the rounds, ms. floor = bytes moved (2N fwd + 3N bwd) / copy bandwidth; "
         "fresh floor adds the first-touch zeroing of y and grad_x.",
@@ -203,7 +206,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the kernel")
+    parser.add_argument("--warm-allocator", action="store_true",
+                        help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
     args = parser.parse_args()
+    if args.warm_allocator:
+        rerun_with_warm_allocator()
 
     torch, impls = _import()
     torch.set_num_threads(args.threads)
@@ -216,6 +223,7 @@ def main() -> None:
         "torch": torch.__version__,
         "kernel": torch.ops.ascendspeed._rms_norm_cpu_kernel(),
         "threads": args.threads,
+        "warm_allocator": warm_allocator_active(),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "note": "medians of interleaved rounds on a machine shared with other jobs",

@@ -30,6 +30,8 @@ import sys
 import time
 import warnings
 
+from allocator import rerun_with_warm_allocator, warm_allocator_active
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4096, 1, 32, 128)
 QUICK_SHAPE = (256, 1, 4, 128)  # --quick: a smoke run of the script itself
@@ -169,7 +171,8 @@ def report(result) -> str:
     lines = [
         f"CPU: {result['cpu']['model']} ({result['cpu']['cores']} cores, shared with other work); "
         f"torch {result['torch']}; kernels: {result['kernel']}; {result['threads']} threads; "
-        f"1-minute load average {result['load_before']:.1f} before, {result['load_after']:.1f} after",
+        f"1-minute load average {result['load_before']:.1f} before, {result['load_after']:.1f} after"
+        + ("; warm allocator (freed memory reused)" if result["warm_allocator"] else "; glibc's default allocator"),
         "",
         "Medians of the rounds, ms. floor = bytes moved (2N fwd + 2N bwd) / copy bandwidth; "
         "fresh floor adds the first-touch zeroing of the output and grad_t.",
@@ -211,7 +214,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the kernel")
+    parser.add_argument("--warm-allocator", action="store_true",
+                        help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
     args = parser.parse_args()
+    if args.warm_allocator:
+        rerun_with_warm_allocator()
 
     torch, impls = _import()
     torch.set_num_threads(args.threads)
@@ -227,6 +234,7 @@ def main() -> None:
         "torch": torch.__version__,
         "kernel": torch.ops.ascendspeed._rotary_embedding_cpu_kernel(),
         "threads": args.threads,
+        "warm_allocator": warm_allocator_active(),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
         "note": "medians of interleaved rounds on a machine shared with other jobs",
