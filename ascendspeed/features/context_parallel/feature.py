@@ -78,6 +78,10 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 f"--ulysses-degree-in-cp only applies to --context-parallel-algo {HYBRID}; drop it or choose "
                 f"{HYBRID}"
             )
+        self._validate_layout(args, cp, algorithm, degree)
+        self._validate_ring_telemetry(args, cp, algorithm, degree)
+
+    def _validate_layout(self, args: argparse.Namespace, cp: int, algorithm: str, degree) -> None:
         if cp == 1:
             return
         if getattr(args, "transformer_impl", "local") != "local":
@@ -121,6 +125,23 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 f"over --tensor-model-parallel-size {tp} x a Ulysses degree of {ulysses}"
                 f"{' (--context-parallel-size)' if algorithm == ULYSSES else ' (--ulysses-degree-in-cp)'}: "
                 f"they must divide it; choose sizes whose product divides {heads}"
+            )
+
+    @staticmethod
+    def _validate_ring_telemetry(args, cp: int, algorithm: str, degree) -> None:
+        """``--log-cp-ring-overlap`` needs a ring of at least two ranks to time."""
+        if not getattr(args, "log_cp_ring_overlap", False):
+            return
+        ring_size = {RING: cp, HYBRID: cp // (degree or cp), ULYSSES: 1}[algorithm]
+        impl = getattr(args, "transformer_impl", "local")
+        if ring_size < 2 or impl != "local":
+            given = [f"--context-parallel-size {cp}", f"--context-parallel-algo {algorithm}"]
+            given += [f"--ulysses-degree-in-cp {degree}"] if algorithm == HYBRID else []
+            given += [f"--transformer-impl {impl}"] if impl != "local" else []
+            raise FeatureArgumentError(
+                f"--log-cp-ring-overlap times the hops of ascendspeed's ring attention, and this run has none "
+                f"({', '.join(given)}): drop the flag, or use {RING} (or {HYBRID} with two or more Ulysses "
+                f"groups) at --context-parallel-size 2 or more with --transformer-impl local"
             )
 
     def settings(self, args: argparse.Namespace) -> ContextParallelSettings:
