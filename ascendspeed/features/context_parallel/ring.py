@@ -6,7 +6,8 @@ the log-sum-exp merge. Backward is a second ring pass: the key/value blocks trav
 gradient of its keys and values accumulated by the ranks it has visited, and after a full turn (one
 extra hop) every dK/dV is back with its owner. dQ never leaves the rank.
 
-Under a causal mask the plan of a block comes from positions: only the queries at or after the block's
+A block is computed by ``block_kernels``: the blockwise torch code, or torch_npu's fused attention on an
+NPU. Under a causal mask the plan of a block comes from positions: only the queries at or after the block's
 first key and the keys at or before the block's last query take part, and the causal mask is applied
 only where the two ranges overlap. With the balanced layout (``layout.py``) that is: the diagonal block
 causal, blocks from earlier ranks with all queries against their first chunk, blocks from later ranks
