@@ -3,6 +3,8 @@
 Each layout starts from the reference's initial weights (sliced and distributed as the layout needs),
 sees the same global batches, and must produce the same training and validation losses.
 """
+import re
+
 import pytest
 
 from tests.helpers.distributed import run_distributed
@@ -91,7 +93,8 @@ def test_pipeline_and_context_parallel_match_the_data_parallel_reference():
         assert parameters == reference_parameters
 
 
-RING_LINE = r"^\[cp-ring\] iteration (\d+) \| hops (\d+) \| sent [\d.]+ MiB \| ring comm [\d.]+ ms \| exposed [\d.]+ ms \| hidden ([\d.]+) %$"
+RING_LINE = (r"^\[cp-ring\] iteration (\d+) \| hops (\d+) \| sent [\d.]+ MiB \| ring comm [\d.]+ ms \| "
+             r"exposed [\d.]+ ms \| hidden ([\d.]+) %$")
 
 
 def _ring_overlap_worker(rank, world_size):
@@ -116,8 +119,6 @@ def _ring_overlap_worker(rank, world_size):
 def test_ring_overlap_is_reported_per_interval_and_for_the_run():
     """``--log-cp-ring-overlap``: a ``[cp-ring]`` line per logging interval and a run total, on rank 0; the
     same numbers from Python on every rank (sums over ranks). Validation's forward passes are not counted."""
-    import re
-
     results = run_distributed(_ring_overlap_worker, 2, timeout=240)
     # per rank and training step: 4 layers x 4 micro-batches attention calls, each 1 K/V hop forward and
     # 1 K/V + 2 dK/dV hops backward (cp 2)

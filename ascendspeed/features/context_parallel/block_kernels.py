@@ -29,10 +29,10 @@ import torch
 
 from ascendspeed.features.context_parallel.blockwise import (
     ScoreRule,
-    _finite,
     accumulator_dtype,
     block_backward,
     block_forward,
+    finite_lse,
 )
 
 #: torch_npu repeats each row's softmax max and sum this many times in the last dimension.
@@ -51,7 +51,7 @@ def softmax_stats_from_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     of ``lse`` (fp32 for every input dtype the kernel takes): ``max = lse`` and ``sum = 1``, so that
     ``exp(score - max) / sum`` is the final probability. A row that saw no key (lse -inf) gets max 0, whose
     probabilities are 0 as its scores are all masked."""
-    softmax_max = _finite(lse)[..., None].expand(*lse.shape, NPU_SOFTMAX_STATS_WIDTH).contiguous()
+    softmax_max = finite_lse(lse)[..., None].expand(*lse.shape, NPU_SOFTMAX_STATS_WIDTH).contiguous()
     return softmax_max, torch.ones_like(softmax_max)
 
 
