@@ -21,6 +21,8 @@ def megatron_like_parser():
     parser.add_argument("--reset-attention-mask", action="store_true")
     parser.add_argument("--transformer-impl", default="local")
     parser.add_argument("--window-size", default=None)
+    parser.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
+    parser.add_argument("--hybrid-context-parallel", action="store_true")
     return add_feature_arguments(parser)
 
 
@@ -45,6 +47,9 @@ def parse(*flags):
     (["--context-parallel-size", "2", "--window-size", "(8,0)"], "--window-size"),
     (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine", "--context-parallel-algo",
       "ulysses_cp_algo"], "--transformer-impl"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+     r"--cp-comm-type a2a selects .* a2a -> --context-parallel-algo ulysses_cp_algo"),
+    (["--context-parallel-size", "2", "--hybrid-context-parallel"], "--hybrid-context-parallel True"),
     (["--log-cp-ring-overlap"], r"--log-cp-ring-overlap times .*\(--context-parallel-size 1,"),
     (["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
      "--log-cp-ring-overlap times .* --context-parallel-algo ulysses_cp_algo"),

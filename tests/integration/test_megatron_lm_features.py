@@ -262,6 +262,26 @@ def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monke
         megatron_lm_arguments.validate_args(args, {})
 
 
+@pytest.mark.parametrize("flags, message", [
+    ([], "--context-parallel-size 2 has no attention dropout (got --attention-dropout 0.1)"),
+    (["--attention-dropout", "0", "--cp-comm-type", "a2a"],
+     "--cp-comm-type a2a selects Transformer Engine's context-parallel communication"),
+    (["--attention-dropout", "0", "--context-parallel-algo", "hybrid_cp_algo"],
+     "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp K"),
+    (["--attention-dropout", "0", "--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
+     "--log-cp-ring-overlap times the hops of ascendspeed's ring attention"),
+])
+def test_invalid_context_parallel_flags_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # read by parse_args; validate_args starts no process group
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "4",
+                                      "--context-parallel-size", "2", *flags])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match=re.escape(message)):
+        megatron_lm_arguments.validate_args(args, {})
+
+
 def test_alibi_is_a_choice_of_megatron_lm_flag(megatron_lm_arguments):
     parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     assert parser.parse_args(["--position-embedding-type", "alibi"]).position_embedding_type == "alibi"

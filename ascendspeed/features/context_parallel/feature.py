@@ -25,7 +25,13 @@ UNSUPPORTED = (
     Unsupported("softmax_type", "--softmax-type", "vanilla", "only the vanilla softmax is supported"),
     Unsupported("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention is not supported"),
     Unsupported("use_legacy_models", "--use-legacy-models", False, "legacy models are not supported"),
+    Unsupported("hybrid_context_parallel", "--hybrid-context-parallel", False,
+                "Megatron's dynamic context parallelism of packed sequences is not supported; ascendspeed's "
+                "hybrid is --context-parallel-algo hybrid_cp_algo --ulysses-degree-in-cp K"),
 )
+
+#: What Transformer Engine's ``--cp-comm-type`` values correspond to with the local transformer.
+ALGORITHM_OF_CP_COMM_TYPE = {"p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID}
 
 
 class ContextParallelFeature(Feature[ContextParallelSettings]):
@@ -39,6 +45,7 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
         "tensor_model_parallel_size": 1,
         "seq_length": None,
         "attention_dropout": None,
+        "cp_comm_type": ["p2p"],
         **defaults_of(UNSUPPORTED),
     }
 
@@ -93,6 +100,7 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 )
             return
         refuse_unsupported(args, UNSUPPORTED, f"--context-parallel-size {cp}")
+        self._refuse_cp_comm_type(args)
         dropout = getattr(args, "attention_dropout", None)
         if dropout:
             raise FeatureArgumentError(
@@ -126,6 +134,22 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 f"{' (--context-parallel-size)' if algorithm == ULYSSES else ' (--ulysses-degree-in-cp)'}: "
                 f"they must divide it; choose sizes whose product divides {heads}"
             )
+
+    @staticmethod
+    def _refuse_cp_comm_type(args) -> None:
+        """Megatron-LM's ``--cp-comm-type`` picks Transformer Engine's communication; the local transformer
+        would ignore it, so anything but its default is refused with the matching algorithm named."""
+        comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+        comm = [comm] if isinstance(comm, str) else list(comm)
+        if set(comm) == {"p2p"}:
+            return
+        suggestions = ", ".join(f"{kind} -> --context-parallel-algo {algorithm}"
+                                for kind, algorithm in ALGORITHM_OF_CP_COMM_TYPE.items())
+        raise FeatureArgumentError(
+            f"--cp-comm-type {' '.join(comm)} selects Transformer Engine's context-parallel communication, which "
+            f"--transformer-impl local does not use: drop --cp-comm-type and choose --context-parallel-algo "
+            f"({suggestions}; allgather has no counterpart)"
+        )
 
     @staticmethod
     def _validate_ring_telemetry(args, cp: int, algorithm: str, degree) -> None:
