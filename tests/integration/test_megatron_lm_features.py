@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 #: Functions only an enabled feature reaches, counted by the launcher (``COUNT_CALLS``).
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
-ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.hooks:register_grad_ready"
+ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_ready"
 REUSE_SPLIT = "ascendspeed.features.reuse_fp32_param.codec:encode"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
 #: micro-batch forward; backward runs inside its autograd function).
