@@ -22,6 +22,7 @@ from ascendspeed.features.context_parallel.block_kernels import (
     hidden_keys,
     kernels_for,
     lse_from_softmax_stats,
+    pse_and_mask,
     softmax_stats_from_lse,
 )
 from ascendspeed.features.context_parallel.blockwise import ScoreRule, block_forward, block_scores
@@ -136,6 +137,17 @@ def test_alibi_pse_stays_finite_in_half_precision():
     rule = ScoreRule(scale=64 ** -0.5, causal=True, slopes=alibi_slopes(2))
     pse = alibi_pse(torch.tensor([40000]), torch.arange(3), rule, torch.float16, "cpu")
     assert pse.dtype == torch.float16 and torch.isfinite(pse).all()
+    future = alibi_pse(torch.tensor([0]), torch.tensor([40000]), rule, torch.float16, "cpu")
+    assert torch.isfinite(future).all()
+
+
+def test_hidden_entries_get_no_alibi():
+    """Keys after a query get a positive ALiBi term; a finite additive mask must not be outweighed."""
+    q = torch.zeros(2, 2, 3, 4)
+    rule = ScoreRule(scale=0.5, causal=True, slopes=alibi_slopes(2))
+    pse, hidden = pse_and_mask(q, torch.arange(3), torch.arange(3), rule, None, needs_causal_mask=True)
+    assert pse.shape == (1, 2, 3, 3) and torch.equal(hidden, torch.ones(3, 3, dtype=torch.bool).triu(1))
+    assert pse[..., hidden].eq(0).all() and pse[..., ~hidden].le(0).all()
 
 
 def test_cpu_tensors_use_the_blockwise_code():

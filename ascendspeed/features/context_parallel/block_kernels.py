@@ -57,14 +57,16 @@ def softmax_stats_from_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def alibi_pse(q_pos, k_pos, rule: ScoreRule, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
     """ALiBi as torch_npu's ``pse`` [1, heads, queries, keys]: our bias divided by the softmax scale (the
-    kernel adds pse before scaling), clamped to ``dtype``'s range (far entries carry no weight anyway)."""
+    kernel adds pse before scaling), clamped to ``dtype``'s range (far entries carry no weight anyway; keys
+    after the query, positive, are hidden by the mask)."""
     if rule.slopes is None:
         return None
     acc = accumulator_dtype(dtype)
     distance = (q_pos[:, None] - k_pos[None, :]).to(device=device, dtype=acc)
     gap = distance.abs() if rule.alibi_distance_is_absolute else distance
     bias = -rule.slopes.to(device=device, dtype=acc)[:, None, None] * gap / rule.scale
-    return bias.clamp(min=torch.finfo(dtype).min)[None].to(dtype)
+    limits = torch.finfo(dtype)
+    return bias.clamp(min=limits.min, max=limits.max)[None].to(dtype)
 
 
 def hidden_keys(q_pos, k_pos, mask: Optional[torch.Tensor], needs_causal_mask: bool, batch: int, device):
@@ -78,6 +80,17 @@ def hidden_keys(q_pos, k_pos, mask: Optional[torch.Tensor], needs_causal_mask: b
             by_key = by_key.expand(batch, *by_key.shape[1:])  # 1NSS is not among torch_npu's mask layouts
         hidden = by_key if hidden is None else by_key | hidden
     return None if hidden is None else hidden.contiguous()
+
+
+def pse_and_mask(q, q_pos, k_pos, rule: ScoreRule, mask, needs_causal_mask: bool):
+    """The ``pse`` and ``atten_mask`` of a block for queries ``q``. Hidden entries get pse 0: ALiBi is
+    positive for keys after the query, and a mask applied by adding a finite number (as torch_npu's
+    documented formula does) must not be outweighed."""
+    hidden = hidden_keys(q_pos, k_pos, mask, needs_causal_mask, q.size(0), q.device)
+    pse = alibi_pse(q_pos, k_pos, rule, q.dtype, q.device)
+    if pse is not None and hidden is not None:
+        pse = torch.where(hidden, torch.zeros((), dtype=pse.dtype, device=pse.device), pse).contiguous()
+    return pse, hidden
 
 
 class BlockwiseKernels:
@@ -108,11 +121,9 @@ class FusedAttentionKernels:
     def forward(self, q, k, v, q_pos, k_pos, rule: ScoreRule, mask=None, needs_causal_mask=True):
         """(output normalised over this block's keys, log-sum-exp of its rows), in the accumulator dtype."""
         q, k, v = (t.contiguous() for t in (q, k, v))
+        pse, hidden = pse_and_mask(q, q_pos, k_pos, rule, mask, needs_causal_mask)
         out, softmax_max, softmax_sum = self.fusion_attention(
-            q, k, v, q.size(1), "BNSD",
-            pse=alibi_pse(q_pos, k_pos, rule, q.dtype, q.device),
-            atten_mask=hidden_keys(q_pos, k_pos, mask, needs_causal_mask, q.size(0), q.device),
-            scale=rule.scale, keep_prob=1.0, sparse_mode=0,
+            q, k, v, q.size(1), "BNSD", pse=pse, atten_mask=hidden, scale=rule.scale, keep_prob=1.0, sparse_mode=0,
         )[:3]
         acc = accumulator_dtype(q.dtype)
         return out.to(acc), lse_from_softmax_stats(softmax_max, softmax_sum).to(acc)
@@ -123,10 +134,9 @@ class FusedAttentionKernels:
         ``delta`` itself from ``out``), in the accumulator dtype."""
         q, k, v = (t.contiguous() for t in (q, k, v))
         softmax_max, softmax_sum = softmax_stats_from_lse(lse)
+        pse, hidden = pse_and_mask(q, q_pos, k_pos, rule, mask, needs_causal_mask)
         grad_q, grad_k, grad_v = self.fusion_attention_grad(
-            q, k, v, grad_out.to(q.dtype).contiguous(), q.size(1), "BNSD",
-            pse=alibi_pse(q_pos, k_pos, rule, q.dtype, q.device),
-            atten_mask=hidden_keys(q_pos, k_pos, mask, needs_causal_mask, q.size(0), q.device),
+            q, k, v, grad_out.to(q.dtype).contiguous(), q.size(1), "BNSD", pse=pse, atten_mask=hidden,
             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=out.to(q.dtype).contiguous(),
             scale_value=rule.scale, keep_prob=1.0, sparse_mode=0,
         )[:3]
