@@ -18,7 +18,9 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ascendspeed.features import all_features, apply_features
+from ascendspeed.features.context_parallel import megatron_attention
 from ascendspeed.features.context_parallel.layout import split_for_rank
+from ascendspeed.features.context_parallel.telemetry import RingOverlap
 from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
@@ -40,7 +42,7 @@ from ascendspeed.training.model import (
     build_scheduler,
     local_parameter_count,
 )
-from ascendspeed.training.progress import ProgressLog, format_duration, perplexity, print_rank_0
+from ascendspeed.training.progress import ProgressLog, RingOverlapLog, format_duration, perplexity, print_rank_0
 
 
 @dataclasses.dataclass
@@ -59,7 +61,11 @@ class EvalResult:
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run did. ``losses[i]`` is the training loss of iteration ``start_iteration + i + 1``."""
+    """What a run did. ``losses[i]`` is the training loss of iteration ``start_iteration + i + 1``.
+
+    ``cp_ring_overlap``: with ``--log-cp-ring-overlap``, the context-parallel ring's communication over the
+    run's training steps, summed over all ranks (``progress`` entries carry each interval's as ``cp_ring``).
+    """
 
     start_iteration: int
     iteration: int
@@ -75,6 +81,7 @@ class TrainResult:
     checkpoint: Optional[str] = None
     memory_account: Optional[memory.MemoryAccount] = None
     peak_resident_bytes: int = 0
+    cp_ring_overlap: Optional[RingOverlap] = None
 
 
 def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
@@ -346,11 +353,16 @@ class Trainer:
         self._print_header(num_parameters, features)
         validation = [(start, self.periodic_validation())]
         log = ProgressLog(args.train_iters, start, self.tokens_per_iteration)
+        ring = RingOverlapLog(megatron_attention.TELEMETRY, self.device) if args.log_cp_ring_overlap else None
         losses, learning_rates, progress = [], [], []
         checkpoint = None
         while self.iteration < args.train_iters:
             learning_rates.append(self.learning_rate())
+            if ring is not None:
+                ring.step_started()
             loss, grad_norm, updated = self.train_step()
+            if ring is not None:
+                ring.step_finished()
             if args.check_for_nan_in_loss_and_grad:
                 self._stop_if_diverged(loss, grad_norm if updated else None)
             if self.memory is None:  # torch allocates the optimizer state in the first step
@@ -362,6 +374,8 @@ class Trainer:
             if self.iteration % args.log_interval == 0 or done:
                 loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None
                 progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale))
+                if ring is not None:
+                    progress[-1]["cp_ring"] = ring.close_interval(self.iteration)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and not done:
                 validation.append((self.iteration, self.periodic_validation()))
             if args.save and (done or (args.save_interval and self.iteration % args.save_interval == 0)):
@@ -371,6 +385,10 @@ class Trainer:
             validation.append((self.iteration, self.periodic_validation()))
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
+        ring_overlap = ring.close_run() if ring is not None else None
+        if ring_overlap is not None:
+            print_rank_0(f"context-parallel ring over the run's training steps, all {args.world_size} ranks: "
+                         f"{RingOverlapLog.format(ring_overlap)}")
         print_rank_0(memory.peak_line())
         trained = self.iteration - start
         return TrainResult(
@@ -388,6 +406,7 @@ class Trainer:
             checkpoint=checkpoint,
             memory_account=self.memory,
             peak_resident_bytes=memory.peak_resident_bytes(),
+            cp_ring_overlap=ring_overlap,
         )
 
     def _print_header(self, num_parameters: int, features: list[str]) -> None:

@@ -183,6 +183,25 @@ def test_ring_telemetry_counts_every_hop():
         assert 0.0 <= summary["hidden_fraction"] <= 1.0
 
 
+def test_ring_telemetry_windows_add_up():
+    """``take`` closes a window (the trainer's logging interval); windows sum to the run's totals."""
+    from ascendspeed.features.context_parallel import RingOverlap, RingTelemetry
+
+    telemetry = RingTelemetry()
+    telemetry.record_hop(0.0, 2.0, exposed=0.5)
+    telemetry.record_hop(1.0, 3.0, exposed=0.25)  # overlaps the first: 3 s in flight, not 4
+    telemetry.sent_bytes, telemetry.compute_s = 2**20, 4.0
+    first = telemetry.take()
+    assert first == RingOverlap(hops=2, sent_bytes=2**20, compute_s=4.0, communication_s=3.0, exposed_s=0.75)
+    assert first.hidden_fraction == pytest.approx(0.75)
+    assert telemetry.take() == RingOverlap()
+    telemetry.record_hop(10.0, 11.0, exposed=1.0)
+    total = first + telemetry.take()
+    assert (total.hops, total.communication_s, total.exposed_s) == (3, 4.0, 1.75)
+    assert total.summary()["hidden_fraction"] == pytest.approx(1 - 1.75 / 4.0)
+    assert RingOverlap().hidden_fraction == 0.0
+
+
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):

@@ -21,6 +21,8 @@ def megatron_like_parser():
     parser.add_argument("--reset-attention-mask", action="store_true")
     parser.add_argument("--transformer-impl", default="local")
     parser.add_argument("--window-size", default=None)
+    parser.add_argument("--cp-comm-type", nargs="+", default=["p2p"])
+    parser.add_argument("--hybrid-context-parallel", action="store_true")
     return add_feature_arguments(parser)
 
 
@@ -45,6 +47,14 @@ def parse(*flags):
     (["--context-parallel-size", "2", "--window-size", "(8,0)"], "--window-size"),
     (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine", "--context-parallel-algo",
       "ulysses_cp_algo"], "--transformer-impl"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+     r"--cp-comm-type a2a selects .* a2a -> --context-parallel-algo ulysses_cp_algo"),
+    (["--context-parallel-size", "2", "--hybrid-context-parallel"], "--hybrid-context-parallel True"),
+    (["--log-cp-ring-overlap"], r"--log-cp-ring-overlap times .*\(--context-parallel-size 1,"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
+     "--log-cp-ring-overlap times .* --context-parallel-algo ulysses_cp_algo"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+      "--log-cp-ring-overlap"], "--log-cp-ring-overlap times .* --ulysses-degree-in-cp 2"),
 ])
 def test_bad_combinations_fail_naming_the_flags(flags, named):
     with pytest.raises(FeatureArgumentError, match=named):
@@ -66,6 +76,8 @@ def test_flags_have_the_ascend_names_and_defaults():
     (["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
       "--reset-attention-mask", "--cp-attention-mask-type", "general"],
      ContextParallelSettings("hybrid_cp_algo", 2, "general")),
+    (["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",
+      "--log-cp-ring-overlap"], ContextParallelSettings("hybrid_cp_algo", 2, "causal", telemetry=True)),
 ])
 def test_valid_combinations_enable_the_feature_with_their_settings(flags, expected):
     args = parse(*flags)

@@ -27,8 +27,11 @@ pytestmark = pytest.mark.skipif(
 #: Functions only an enabled feature reaches, counted by the launcher (``COUNT_CALLS``).
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
-ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.hooks:register_grad_ready"
+ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_ready"
 REUSE_SPLIT = "ascendspeed.features.reuse_fp32_param.codec:encode"
+#: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
+#: micro-batch forward; backward runs inside its autograd function).
+CP_ATTENTION = "ascendspeed.features.context_parallel.megatron_attention:{}_attention"
 
 LAUNCHER = '''\
 import ascendspeed.megatron_adaptor  # first: device selection, CPU shims, Megatron-LM hooks
@@ -62,6 +65,12 @@ sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
 for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
     print(f"calls rank={os.environ.get('RANK', '0')} {target} {CALLS[target]}", flush=True)
+if "--log-cp-ring-overlap" in sys.argv:
+    from ascendspeed.features.context_parallel.megatron_attention import TELEMETRY
+
+    summary = TELEMETRY.summary()
+    print(f"cp ring rank={os.environ.get('RANK', '0')} hops={summary['hops']} "
+          f"hidden={summary['hidden_fraction']:.4f}", flush=True)
 '''
 ITERATIONS = 12
 TINY_GPT = [
@@ -74,6 +83,7 @@ TINY_GPT = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+)")
 CALLS = re.compile(r"^calls rank=(\d+) (\S+) (\d+)$", re.MULTILINE)
 FEATURES = re.compile(r"^> ascendspeed features: (.*)$", re.MULTILINE)
+RING_TELEMETRY = re.compile(r"^cp ring rank=(\d+) hops=(\d+) hidden=([0-9.]+)$", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +109,9 @@ def _launch(launcher, processes, flags, count=(), timeout=300):
     return done.returncode, done.stdout + done.stderr
 
 
-def _train(launcher, processes, flags, feature, count):
+def _checked_run(launcher, processes, flags, feature, count):
     """Run, then check the loss falls, the adaptor reports ``feature``, and every counted function ran on
-    every rank; returns the losses and the call counts ({(rank, target): calls})."""
+    every rank; returns the losses, the call counts ({(rank, target): calls}) and the output."""
     returncode, output = _launch(launcher, processes, flags, count)
     assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
     assert FEATURES.findall(output) == [feature], f"adaptor report: {FEATURES.findall(output)}\n{output[-3000:]}"
@@ -112,7 +122,12 @@ def _train(launcher, processes, flags, feature, count):
     assert sum(losses[-3:]) / 3 < 0.95 * sum(losses[:3]) / 3, f"loss did not fall: {losses}"
     calls = {(int(rank), target): int(n) for rank, target, n in CALLS.findall(output)}
     assert set(calls) == {(rank, target) for rank in range(processes) for target in count}, calls
-    return losses, calls
+    return losses, calls, output
+
+
+def _train(launcher, processes, flags, feature, count):
+    """``_checked_run`` without the output: the losses and the call counts."""
+    return _checked_run(launcher, processes, flags, feature, count)[:2]
 
 
 def test_fused_swiglu_one_process(launcher):
@@ -163,6 +178,52 @@ def test_reuse_fp32_param_two_processes_bit_identical(launcher, optimizer):
     assert all(n >= ITERATIONS for n in calls.values()), calls
 
 
+#: Context-parallel runs against one process: no dropout (its masks differ with the sequence split) and RoPE
+#: (Megatron-LM's JIT warm-up draws seq-length / cp random numbers before the learned position embedding
+#: is initialised, so that embedding would start differently).
+CP_COMPARABLE = ["--global-batch-size", "4", "--attention-dropout", "0", "--hidden-dropout", "0",
+                 "--position-embedding-type", "rope"]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(launcher):
+    returncode, output = _launch(launcher, 1, CP_COMPARABLE)
+    assert returncode == 0, output[-6000:]
+    return [float(loss) for _, loss in LOSS.findall(output)]
+
+
+@pytest.mark.parametrize("processes, flags, algorithm", [
+    (2, ["--context-parallel-size", "2", "--log-cp-ring-overlap"], "ring"),
+    (2, ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"], "ulysses"),
+    (4, ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
+     "hybrid"),
+], ids=["ring-cp2", "ulysses-cp2", "hybrid-cp4"])
+def test_context_parallel_matches_one_process(launcher, one_process_losses, processes, flags, algorithm):
+    """Megatron-LM's own get_batch splits the batch, its schedule and DDP average the loss and gradients over
+    the context-parallel ranks; ascendspeed's attention runs on every rank. Same losses as one process."""
+    attention = CP_ATTENTION.format(algorithm)
+    losses, calls, output = _checked_run(launcher, processes, [*CP_COMPARABLE, *flags], "context_parallel",
+                                         [attention])
+    assert losses == pytest.approx(one_process_losses, rel=1e-4)
+    assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls  # layers x micro-batches x iterations
+    if "--log-cp-ring-overlap" not in flags:
+        return
+    telemetry = {int(rank): (int(hops), float(hidden)) for rank, hops, hidden in RING_TELEMETRY.findall(output)}
+    assert sorted(telemetry) == list(range(processes)), output[-3000:]
+    for hops, hidden in telemetry.values():
+        # per attention call at cp 2: one K/V hop forward, one K/V and two dK/dV hops backward
+        assert hops == 4 * 2 * 2 * ITERATIONS
+        assert 0.0 <= hidden <= 1.0
+
+
+def test_context_parallel_with_default_dropout_fails_before_training(launcher):
+    returncode, output = _launch(launcher, 2, ["--global-batch-size", "4", "--context-parallel-size", "2"])
+    assert returncode != 0
+    assert "FeatureArgumentError: --context-parallel-size 2 has no attention dropout (got --attention-dropout 0.1)" \
+        in output, output[-3000:]
+    assert "lm loss" not in output
+
+
 def test_invalid_combination_fails_before_training(launcher):
     returncode, output = _launch(launcher, 1, ["--global-batch-size", "4", "--use-fused-swiglu"])
     assert returncode != 0
@@ -197,6 +258,26 @@ def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monke
     from ascendspeed.features import FeatureArgumentError
 
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "4", *flags])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match=re.escape(message)):
+        megatron_lm_arguments.validate_args(args, {})
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "--context-parallel-size 2 has no attention dropout (got --attention-dropout 0.1)"),
+    (["--attention-dropout", "0", "--cp-comm-type", "a2a"],
+     "--cp-comm-type a2a selects Transformer Engine's context-parallel communication"),
+    (["--attention-dropout", "0", "--context-parallel-algo", "hybrid_cp_algo"],
+     "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp K"),
+    (["--attention-dropout", "0", "--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
+     "--log-cp-ring-overlap times the hops of ascendspeed's ring attention"),
+])
+def test_invalid_context_parallel_flags_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # read by parse_args; validate_args starts no process group
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "4",
+                                      "--context-parallel-size", "2", *flags])
     args = megatron_lm_arguments.parse_args()
     with pytest.raises(FeatureArgumentError, match=re.escape(message)):
         megatron_lm_arguments.validate_args(args, {})

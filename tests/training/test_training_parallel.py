@@ -3,6 +3,8 @@
 Each layout starts from the reference's initial weights (sliced and distributed as the layout needs),
 sees the same global batches, and must produce the same training and validation losses.
 """
+import re
+
 import pytest
 
 from tests.helpers.distributed import run_distributed
@@ -89,3 +91,47 @@ def test_pipeline_and_context_parallel_match_the_data_parallel_reference():
         assert losses == pytest.approx(reference_losses, rel=2e-5)
         assert validation == pytest.approx(reference_validation, rel=2e-5)
         assert parameters == reference_parameters
+
+
+RING_LINE = (r"^\[cp-ring\] iteration (\d+) \| hops (\d+) \| sent [\d.]+ MiB \| ring comm [\d.]+ ms \| "
+             r"exposed [\d.]+ ms \| hidden ([\d.]+) %$")
+
+
+def _ring_overlap_worker(rank, world_size):
+    import contextlib
+    import io
+
+    from ascendspeed.features import disable_features
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    flags = ["--context-parallel-size", "2", "--log-cp-ring-overlap", "--train-iters", "4", "--log-interval", "2",
+             "--eval-iters", "1", "--eval-interval", "0", "--eval-seq-lengths", "32"]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            result = train(parse_args([*BASE, *flags], world_size=world_size))
+    finally:
+        disable_features()
+    return result.cp_ring_overlap, [entry["cp_ring"] for entry in result.progress], printed.getvalue()
+
+
+def test_ring_overlap_is_reported_per_interval_and_for_the_run():
+    """``--log-cp-ring-overlap``: a ``[cp-ring]`` line per logging interval and a run total, on rank 0; the
+    same numbers from Python on every rank (sums over ranks). Validation's forward passes are not counted."""
+    results = run_distributed(_ring_overlap_worker, 2, timeout=240)
+    # per rank and training step: 4 layers x 4 micro-batches attention calls, each 1 K/V hop forward and
+    # 1 K/V + 2 dK/dV hops backward (cp 2)
+    hops_per_step = 2 * 4 * 4 * 4
+    total, intervals, printed = results[0]
+    assert total.hops == 4 * hops_per_step
+    assert [interval["hops"] for interval in intervals] == [2 * hops_per_step] * 2
+    assert total.sent_bytes > 0 and total.communication_s > 0 and 0.0 <= total.hidden_fraction <= 1.0
+    assert sum(interval["exposed_s"] for interval in intervals) == pytest.approx(total.exposed_s)
+    lines = re.findall(RING_LINE, printed, re.MULTILINE)
+    assert [(int(iteration), int(hops)) for iteration, hops, _ in lines] == [(2, 2 * hops_per_step),
+                                                                              (4, 2 * hops_per_step)], printed
+    assert f"all 2 ranks: hops {total.hops} | " in printed
+    other_total, other_intervals, other_printed = results[1]
+    assert other_total == total and other_intervals == intervals
+    assert "[cp-ring]" not in other_printed

@@ -12,7 +12,7 @@ See ``docs/features/context-parallel.md``.
 from ascendspeed.features.context_parallel.feature import ContextParallelFeature
 from ascendspeed.features.context_parallel.hybrid import HybridGroups, build_hybrid_groups, hybrid_attention
 from ascendspeed.features.context_parallel.ring import ring_attention
-from ascendspeed.features.context_parallel.telemetry import RingTelemetry
+from ascendspeed.features.context_parallel.telemetry import RingOverlap, RingTelemetry
 from ascendspeed.features.context_parallel.settings import ContextParallelSettings
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 
@@ -23,6 +23,7 @@ __all__ = [
     "ContextParallelFeature",
     "ContextParallelSettings",
     "HybridGroups",
+    "RingOverlap",
     "RingTelemetry",
     "build_hybrid_groups",
     "hybrid_attention",

@@ -45,7 +45,7 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """``lse`` with the -inf of rows that see no key replaced by 0, so ``exp(score - lse)`` gives 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
@@ -73,14 +73,14 @@ def block_forward(q, k, v, q_pos, k_pos, rule, mask=None, needs_causal_mask=True
     """(output normalised over this block's keys, log-sum-exp of its rows), both in the accumulator dtype."""
     scores = block_scores(q, k, q_pos, k_pos, rule, mask, needs_causal_mask)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores.sub_(_finite(lse)[..., None]))
+    probs = torch.exp(scores.sub_(finite_lse(lse)[..., None]))
     return torch.matmul(probs, v.to(probs.dtype)), lse
 
 
 def merge_block_(out, lse, block_out, block_lse) -> None:
     """Fold one block into the running (``out``, ``lse``) of the same rows, in place."""
     merged = torch.logaddexp(lse, block_lse)
-    reference = _finite(merged)
+    reference = finite_lse(merged)
     out.mul_(torch.exp(lse - reference)[..., None]).add_(block_out * torch.exp(block_lse - reference)[..., None])
     lse.copy_(merged)
 
@@ -88,7 +88,7 @@ def merge_block_(out, lse, block_out, block_lse) -> None:
 def block_backward(q, k, v, grad_out, lse, delta, q_pos, k_pos, rule, mask=None, needs_causal_mask=True):
     """(dq, dk, dv) of one block, given the final ``lse`` and ``delta = rowsum(grad_out * out)`` of its rows."""
     scores = block_scores(q, k, q_pos, k_pos, rule, mask, needs_causal_mask)
-    probs = torch.exp(scores.sub_(_finite(lse)[..., None]))
+    probs = torch.exp(scores.sub_(finite_lse(lse)[..., None]))
     acc = probs.dtype
     grad_out = grad_out.to(acc)
     grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)

@@ -25,7 +25,13 @@ UNSUPPORTED = (
     Unsupported("softmax_type", "--softmax-type", "vanilla", "only the vanilla softmax is supported"),
     Unsupported("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention is not supported"),
     Unsupported("use_legacy_models", "--use-legacy-models", False, "legacy models are not supported"),
+    Unsupported("hybrid_context_parallel", "--hybrid-context-parallel", False,
+                "Megatron's dynamic context parallelism of packed sequences is not supported; ascendspeed's "
+                "hybrid is --context-parallel-algo hybrid_cp_algo --ulysses-degree-in-cp K"),
 )
+
+#: What Transformer Engine's ``--cp-comm-type`` values correspond to with the local transformer.
+ALGORITHM_OF_CP_COMM_TYPE = {"p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID}
 
 
 class ContextParallelFeature(Feature[ContextParallelSettings]):
@@ -39,6 +45,7 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
         "tensor_model_parallel_size": 1,
         "seq_length": None,
         "attention_dropout": None,
+        "cp_comm_type": ["p2p"],
         **defaults_of(UNSUPPORTED),
     }
 
@@ -78,6 +85,10 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 f"--ulysses-degree-in-cp only applies to --context-parallel-algo {HYBRID}; drop it or choose "
                 f"{HYBRID}"
             )
+        self._validate_layout(args, cp, algorithm, degree)
+        self._validate_ring_telemetry(args, cp, algorithm, degree)
+
+    def _validate_layout(self, args: argparse.Namespace, cp: int, algorithm: str, degree) -> None:
         if cp == 1:
             return
         if getattr(args, "transformer_impl", "local") != "local":
@@ -89,6 +100,7 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 )
             return
         refuse_unsupported(args, UNSUPPORTED, f"--context-parallel-size {cp}")
+        self._refuse_cp_comm_type(args)
         dropout = getattr(args, "attention_dropout", None)
         if dropout:
             raise FeatureArgumentError(
@@ -121,6 +133,39 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
                 f"over --tensor-model-parallel-size {tp} x a Ulysses degree of {ulysses}"
                 f"{' (--context-parallel-size)' if algorithm == ULYSSES else ' (--ulysses-degree-in-cp)'}: "
                 f"they must divide it; choose sizes whose product divides {heads}"
+            )
+
+    @staticmethod
+    def _refuse_cp_comm_type(args) -> None:
+        """Megatron-LM's ``--cp-comm-type`` picks Transformer Engine's communication; the local transformer
+        would ignore it, so anything but its default is refused with the matching algorithm named."""
+        comm = getattr(args, "cp_comm_type", None) or ["p2p"]
+        comm = [comm] if isinstance(comm, str) else list(comm)
+        if set(comm) == {"p2p"}:
+            return
+        suggestions = ", ".join(f"{kind} -> --context-parallel-algo {algorithm}"
+                                for kind, algorithm in ALGORITHM_OF_CP_COMM_TYPE.items())
+        raise FeatureArgumentError(
+            f"--cp-comm-type {' '.join(comm)} selects Transformer Engine's context-parallel communication, which "
+            f"--transformer-impl local does not use: drop --cp-comm-type and choose --context-parallel-algo "
+            f"({suggestions}; allgather has no counterpart)"
+        )
+
+    @staticmethod
+    def _validate_ring_telemetry(args, cp: int, algorithm: str, degree) -> None:
+        """``--log-cp-ring-overlap`` needs a ring of at least two ranks to time."""
+        if not getattr(args, "log_cp_ring_overlap", False):
+            return
+        ring_size = {RING: cp, HYBRID: cp // (degree or cp), ULYSSES: 1}[algorithm]
+        impl = getattr(args, "transformer_impl", "local")
+        if ring_size < 2 or impl != "local":
+            given = [f"--context-parallel-size {cp}", f"--context-parallel-algo {algorithm}"]
+            given += [f"--ulysses-degree-in-cp {degree}"] if algorithm == HYBRID else []
+            given += [f"--transformer-impl {impl}"] if impl != "local" else []
+            raise FeatureArgumentError(
+                f"--log-cp-ring-overlap times the hops of ascendspeed's ring attention, and this run has none "
+                f"({', '.join(given)}): drop the flag, or use {RING} (or {HYBRID} with two or more Ulysses "
+                f"groups) at --context-parallel-size 2 or more with --transformer-impl local"
             )
 
     def settings(self, args: argparse.Namespace) -> ContextParallelSettings:

@@ -6,7 +6,8 @@ the log-sum-exp merge. Backward is a second ring pass: the key/value blocks trav
 gradient of its keys and values accumulated by the ranks it has visited, and after a full turn (one
 extra hop) every dK/dV is back with its owner. dQ never leaves the rank.
 
-Under a causal mask the plan of a block comes from positions: only the queries at or after the block's
+A block is computed by ``block_kernels``: the blockwise torch code, or torch_npu's fused attention on an
+NPU. Under a causal mask the plan of a block comes from positions: only the queries at or after the block's
 first key and the keys at or before the block's last query take part, and the causal mask is applied
 only where the two ranges overlap. With the balanced layout (``layout.py``) that is: the diagonal block
 causal, blocks from earlier ranks with all queries against their first chunk, blocks from later ranks
@@ -23,13 +24,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ascendspeed.features.context_parallel.blockwise import (
-    ScoreRule,
-    accumulator_dtype,
-    block_backward,
-    block_forward,
-    merge_block_,
-)
+from ascendspeed.features.context_parallel.block_kernels import kernels_for
+from ascendspeed.features.context_parallel.blockwise import ScoreRule, accumulator_dtype, merge_block_
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 
 _TAG_KV = 7
@@ -135,7 +131,7 @@ def _mask_rows(mask, rows):
     return None if mask is None else mask[..., rows, :]
 
 
-def _ring_forward(q, k, v, mask, ring: Ring, rule: ScoreRule):
+def _ring_forward(q, k, v, mask, ring: Ring, rule: ScoreRule, kernels):
     acc = accumulator_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -148,7 +144,7 @@ def _ring_forward(q, k, v, mask, ring: Ring, rule: ScoreRule):
         if plan is not None:
             with ring.computing():
                 k_block, v_block = key_value[:, :, :, plan.cols]
-                block_out, block_lse = block_forward(
+                block_out, block_lse = kernels.forward(
                     q[:, :, plan.rows], k_block, v_block, q_pos[plan.rows], ring.positions[source][plan.cols],
                     rule, _mask_rows(mask, plan.rows), plan.causal_mask,
                 )
@@ -158,7 +154,7 @@ def _ring_forward(q, k, v, mask, ring: Ring, rule: ScoreRule):
     return out, lse
 
 
-def _ring_backward(q, k, v, mask, out, lse, grad_out, ring: Ring, rule: ScoreRule):
+def _ring_backward(q, k, v, mask, out, lse, grad_out, ring: Ring, rule: ScoreRule, kernels):
     acc = accumulator_dtype(q.dtype)
     grad_q = torch.zeros(q.shape, dtype=acc, device=q.device)
     delta = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)
@@ -175,9 +171,9 @@ def _ring_backward(q, k, v, mask, out, lse, grad_out, ring: Ring, rule: ScoreRul
             with ring.computing():
                 rows, cols = plan.rows, plan.cols
                 k_block, v_block = key_value[:, :, :, cols]
-                block_grad_q, block_grad_k, block_grad_v = block_backward(
-                    q[:, :, rows], k_block, v_block, grad_out[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-                    q_pos[rows], k_pos[cols], rule, _mask_rows(mask, rows), plan.causal_mask,
+                block_grad_q, block_grad_k, block_grad_v = kernels.backward(
+                    q[:, :, rows], k_block, v_block, grad_out[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                    delta[:, :, rows], q_pos[rows], k_pos[cols], rule, _mask_rows(mask, rows), plan.causal_mask,
                 )
                 grad_q[:, :, rows] += block_grad_q
                 grad_key_value[0, :, :, cols] += block_grad_k
@@ -195,18 +191,19 @@ class RingAttention(torch.autograd.Function):
     """Autograd of ring attention over [b, heads, local sequence, head dim] tensors."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, ring: Ring, rule: ScoreRule):
-        out, lse = _ring_forward(q, k, v, mask, ring, rule)
+    def forward(ctx, q, k, v, mask, ring: Ring, rule: ScoreRule, kernels):
+        out, lse = _ring_forward(q, k, v, mask, ring, rule, kernels)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.ring, ctx.rule = ring, rule
+        ctx.ring, ctx.rule, ctx.kernels = ring, rule, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v = _ring_backward(q, k, v, mask, out, lse, grad_out.contiguous(), ctx.ring, ctx.rule)
-        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None
+        grad_q, grad_k, grad_v = _ring_backward(q, k, v, mask, out, lse, grad_out.contiguous(), ctx.ring, ctx.rule,
+                                                ctx.kernels)
+        return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None
 
 
 def ring_attention(
@@ -222,6 +219,7 @@ def ring_attention(
     symmetric_alibi: Optional[bool] = None,
     mask: Optional[torch.Tensor] = None,
     telemetry: Optional[RingTelemetry] = None,
+    kernels=None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of every rank of ``group``.
 
@@ -230,7 +228,9 @@ def ring_attention(
     ``slopes``: ALiBi slopes of the heads (None: no ALiBi); ``symmetric_alibi``: distance ``|q - k|``
     (default: when not ``causal``). ``mask``: bool [b or 1, heads or 1, local
     sequence, S], True where a query must not see a key, columns indexed by absolute key position.
-    ``group`` None: a single process (no communication), the reference path.
+    ``group`` None: a single process (no communication), the reference path. ``kernels``: what computes
+    each block (``block_kernels``; None: torch_npu's fused attention for NPU tensors, the blockwise torch
+    code otherwise).
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(-1) != k.size(-1):
         raise ValueError(
@@ -248,4 +248,4 @@ def ring_attention(
                      symmetric_alibi=symmetric_alibi)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool (True = hidden), got {mask.dtype}")
-    return RingAttention.apply(q, k, v, mask, ring, rule)
+    return RingAttention.apply(q, k, v, mask, ring, rule, kernels_for(q) if kernels is None else kernels)

@@ -23,6 +23,38 @@ def covered_seconds(intervals) -> float:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class RingOverlap:
+    """Totals of one or more measurement windows; windows add up (``+``), their hops being disjoint in time."""
+
+    hops: int = 0
+    sent_bytes: int = 0
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    exposed_s: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float:
+        """The part of the time hops were in flight that the rank did not spend waiting for them."""
+        if self.communication_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.exposed_s / self.communication_s)
+
+    def __add__(self, other: "RingOverlap") -> "RingOverlap":
+        return RingOverlap(*(getattr(self, field.name) + getattr(other, field.name)
+                             for field in dataclasses.fields(self)))
+
+    def summary(self) -> dict:
+        return {
+            "hops": self.hops,
+            "sent_MB": self.sent_bytes / 2**20,
+            "compute_s": self.compute_s,
+            "communication_s": self.communication_s,
+            "exposed_s": self.exposed_s,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+
 @dataclasses.dataclass
 class RingTelemetry:
     """Totals since the last ``reset``: block compute, exposed waiting, hop intervals, bytes sent."""
@@ -44,18 +76,21 @@ class RingTelemetry:
 
     @property
     def hidden_fraction(self) -> float:
-        communication = self.communication_s
-        return max(0.0, 1.0 - self.exposed_s / communication) if communication > 0 else 0.0
+        return self.totals().hidden_fraction
+
+    def totals(self) -> RingOverlap:
+        with self._lock:
+            return RingOverlap(len(self.hops), self.sent_bytes, self.compute_s, covered_seconds(self.hops),
+                               self.exposed_s)
 
     def summary(self) -> dict:
-        return {
-            "hops": len(self.hops),
-            "sent_MB": self.sent_bytes / 2**20,
-            "compute_s": self.compute_s,
-            "communication_s": self.communication_s,
-            "exposed_s": self.exposed_s,
-            "hidden_fraction": self.hidden_fraction,
-        }
+        return self.totals().summary()
+
+    def take(self) -> RingOverlap:
+        """The totals of the window that ends now; a new window starts."""
+        totals = self.totals()
+        self.reset()
+        return totals
 
     def reset(self) -> None:
         with self._lock:
