@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
 ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.hooks:register_grad_ready"
-REUSE_SPLIT = "ascendspeed.features.reuse_fp32_param.codec:encode"
+REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
 
 LAUNCHER = '''\
 import ascendspeed.megatron_adaptor  # first: device selection, CPU shims, Megatron-LM hooks
