@@ -254,3 +254,27 @@ def test_device_kernels_registered():
         assert has_kernel(op, "CPU") and has_kernel(op, "Meta") and has_kernel(op, "CUDA"), op
         assert not torch._library.simple_registry.singleton.find(op).fake_impl.kernel, f"{op}: Python fake kernel"
         assert has_kernel(op, "PrivateUse1") == NPU_KERNELS
+
+
+def _bytes_allocated(call) -> int:
+    """Bytes the operator call allocates (torch's CPU allocator, as the profiler records them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        call()
+    return sum(max(event.self_cpu_memory_usage, 0) for event in profiler.key_averages())
+
+
+def test_transient_memory_is_what_the_overlap_needs():
+    """Interleaved: the remainders of the first ceil(n/2) elements are staged (1 byte per element);
+    shard layouts stage nothing. The split also allocates its tie list (8 bytes per tie)."""
+    n = (1 << 16) + 1
+    halves = torch.randn(n).view(torch.int16).clone()
+    ties = bf16_split_(halves)
+    assert _bytes_allocated(lambda: bf16_join_(halves, ties)) == 2 * ((n + 1) // 2)
+    assert _bytes_allocated(lambda: bf16_split_(halves)) == 2 * ((n + 1) // 2) + 8 * ties.numel()
+    bucket, low = torch.zeros(2 * n, dtype=torch.int16), torch.zeros(n, dtype=torch.int16)
+    bucket[: 2 * n] = halves
+    ties = bf16_split_(bucket, n, low)
+    assert _bytes_allocated(lambda: bf16_join_(bucket, ties, n, low)) == 0
+    assert _bytes_allocated(lambda: bf16_split_(bucket, n, low)) == 8 * ties.numel()
