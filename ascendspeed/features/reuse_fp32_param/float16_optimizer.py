@@ -24,7 +24,7 @@ def reuse_state(optimizer):
 
 
 #: Elements per shared buffer: small parameters are grouped (fewer, larger layout switches); a switch
-#: stages 1 byte per element of its buffer (16 MiB here, or the largest parameter's half-size in int16).
+#: stages 1 byte per element of its buffer (16 MiB here, or 1 byte per element of a larger parameter).
 GROUP_ELEMENTS = 1 << 24
 
 
