@@ -11,7 +11,15 @@ patches are applied: megatron-core's own code) and trained step by step in alter
 from other work on the machine hits both alike; reported are medians over the steps of the full step
 and of ``optimizer.step()`` alone, and their ratios.
 
+Layout switch alone (``--switch-elements``, one process): ms per direction for one unit of that many
+elements -- a ``ParameterUnit`` buffer and a distributed-optimizer bucket shard of ranks 0, 1 and 2 --
+for the fused operators (``bf16_join_`` to the main layout, ``bf16_split_`` back), the torch
+composition the feature used before them (kept below as ``torch_codec_*``), and the bandwidth floor: a
+plain copy of the same fp32 bytes (4 read + 4 written per element). The methods alternate within each
+repetition; reported are medians.
+
     python bench/reuse_fp32_param.py --json bench/results/reuse_fp32_param.json
+    python bench/reuse_fp32_param.py --switch-only --switch-threads 1 2
 """
 from __future__ import annotations
 
@@ -131,6 +139,107 @@ def spawn(target, flags, steps, world_size=2):
     return results[0]
 
 
+# -- the layout switch alone -------------------------------------------------------------------------------
+#: Elements per chunk of the torch composition the feature used before the fused operators.
+TORCH_CODEC_CHUNK = 1 << 20
+
+
+def torch_codec_to_main(halves, ties, high_offset, low):
+    """The pre-operator ``to_main_layout``: torch ops, the remainders copied first (interleaved
+    layout: decoded chunk by chunk from the end), or one decode of the whole shard."""
+    from ascendspeed.ops.bf16_split import join_reference
+
+    if low is not None:
+        n = low.numel()
+        join_reference(halves[high_offset: high_offset + n], low, ties, halves[: 2 * n].view(n, 2))
+        return
+    n = halves.numel() // 2
+    low = halves[n:].clone()
+    for start in reversed(range(0, n, TORCH_CODEC_CHUNK)):
+        end = min(start + TORCH_CODEC_CHUNK, n)
+        chunk_ties = ties[(ties >= start) & (ties < end)] - start
+        join_reference(halves[start:end], low[start:end], chunk_ties, halves[2 * start: 2 * end].view(-1, 2))
+
+
+def torch_codec_to_model(halves, high_offset, low):
+    """The pre-operator ``to_model_layout``: torch ops chunk by chunk (interleaved layout, remainders
+    held back until all values are read) or one encode of the whole shard; returns the ties."""
+    from ascendspeed.ops.bf16_split import split_reference
+
+    if low is not None:
+        n = low.numel()
+        high, low_values, ties = split_reference(halves[: 2 * n].view(torch.float32))
+        halves[high_offset: high_offset + n].copy_(high)
+        low.copy_(low_values)
+        return ties
+    n = halves.numel() // 2
+    lows, ties = torch.empty(n, dtype=torch.int16), []
+    for start in range(0, n, TORCH_CODEC_CHUNK):
+        end = min(start + TORCH_CODEC_CHUNK, n)
+        high, low_values, chunk_ties = split_reference(halves[2 * start: 2 * end].view(torch.float32))
+        lows[start:end].copy_(low_values)
+        halves[start:end].copy_(high)
+        ties.append(chunk_ties + start)
+    halves[n:].copy_(lows)
+    return torch.cat(ties)
+
+
+def _switch_layouts(elements: int):
+    """``(name, halves, high_offset, low)`` in the main layout, fp32 values from one training-like draw."""
+    values = (torch.randn(elements, generator=torch.Generator().manual_seed(0)) * 0.02).view(torch.int16)
+    layouts = [("parameter unit (interleaved)", values.clone(), 0, None)]
+    for rank, dp in ((0, 2), (1, 2), (2, 4)):
+        bucket = torch.zeros(dp * elements, dtype=torch.int16)
+        bucket[: 2 * elements] = values
+        layouts.append((f"bucket shard, rank {rank} of {dp}", bucket, rank * elements,
+                        torch.zeros(elements, dtype=torch.int16)))
+    return layouts
+
+
+def switch_benchmark(elements: int, repeats: int, threads: int) -> dict:
+    from ascendspeed.ops.bf16_split import bf16_join_, bf16_split_
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        source, target = torch.randn(elements), torch.empty(elements)
+        results = {}
+        for name, halves, high_offset, low in _switch_layouts(elements):
+            expected = halves[: 2 * elements].clone()
+            ties = bf16_split_(halves, high_offset, low)
+            times = {key: [] for key in ("copy", "fused_to_main", "fused_to_model", "torch_to_main", "torch_to_model")}
+            for _ in range(repeats):
+                start = time.perf_counter()
+                target.copy_(source)
+                times["copy"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                bf16_join_(halves, ties, high_offset, low)
+                times["fused_to_main"].append(time.perf_counter() - start)
+                assert torch.equal(halves[: 2 * elements], expected)
+                start = time.perf_counter()
+                ties = bf16_split_(halves, high_offset, low)
+                times["fused_to_model"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                torch_codec_to_main(halves, ties, high_offset, low)
+                times["torch_to_main"].append(time.perf_counter() - start)
+                assert torch.equal(halves[: 2 * elements], expected)
+                start = time.perf_counter()
+                ties = torch_codec_to_model(halves, high_offset, low)
+                times["torch_to_model"].append(time.perf_counter() - start)
+            ms = {key: statistics.median(series) * 1e3 for key, series in times.items()}
+            ms |= {f"{key}_over_copy": ms[key] / ms["copy"] for key in list(ms) if key != "copy"}
+            ms["speedup_to_main"] = ms["torch_to_main"] / ms["fused_to_main"]
+            ms["speedup_to_model"] = ms["torch_to_model"] / ms["fused_to_model"]
+            results[name] = ms
+            print(f"switch, {threads} thread(s), {name}: copy {ms['copy']:.2f} ms; to main {ms['fused_to_main']:.2f} ms "
+                  f"(x{ms['fused_to_main_over_copy']:.2f} copy; torch codec {ms['torch_to_main']:.2f} ms), to model "
+                  f"{ms['fused_to_model']:.2f} ms (x{ms['fused_to_model_over_copy']:.2f} copy; torch codec "
+                  f"{ms['torch_to_model']:.2f} ms)", flush=True)
+        return results
+    finally:
+        torch.set_num_threads(before)
+
+
 def machine() -> dict:
     info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count()}
     try:
@@ -153,10 +262,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per setting")
     parser.add_argument("--memory-steps", type=int, default=3)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--switch-elements", type=int, default=1 << 24, help="elements of the unit switched alone")
+    parser.add_argument("--switch-repeats", type=int, default=15)
+    parser.add_argument("--switch-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--switch-only", action="store_true", help="only the layout switch alone")
     options = parser.parse_args()
 
     report = {"machine": machine(), "model": " ".join(MODEL), "data_parallel_size": 2, "settings": {}}
-    for name, flags in (("mixed-precision optimizer", []), ("distributed optimizer", ["--use-distributed-optimizer"])):
+    settings = (("mixed-precision optimizer", []), ("distributed optimizer", ["--use-distributed-optimizer"]))
+    for name, flags in () if options.switch_only else settings:
         entry = {}
         for label, extra in (("baseline", []), ("reused", ["--reuse-fp32-param"])):
             entry[label] = spawn(_memory_worker, [*flags, *extra], options.memory_steps)
@@ -180,6 +294,13 @@ def main() -> None:
               f"(x{entry['step_time_ratio']:.3f}), optimizer.step "
               f"{entry['time']['baseline']['optimizer'] * 1e3:.2f} -> {entry['time']['reused']['optimizer'] * 1e3:.2f} ms "
               f"(x{entry['optimizer_step_time_ratio']:.3f})", flush=True)
+    # After the training runs: spawned ranks inherit the parent's peak resident memory, which these
+    # buffers (hundreds of MiB) would raise.
+    report["layout_switch"] = {
+        "elements": options.switch_elements,
+        "threads": {str(threads): switch_benchmark(options.switch_elements, options.switch_repeats, threads)
+                    for threads in options.switch_threads},
+    }
     if options.json:
         with open(options.json, "w") as handle:
             json.dump(report, handle, indent=2)

@@ -1,7 +1,7 @@
 """Draw the bit layout of ``--reuse-fp32-param`` from the real implementation.
 
 Top: three fp32 main weights (rounded down, rounded up, a tie rounded down to even) split by
-``codec.encode`` into the bf16 weight (Megatron's cast) and the 16-bit remainder. Bottom: the int32
+``ascendspeed.ops.bf16_split_`` (the layout switch's operator) into the bf16 weight (Megatron's cast) and the 16-bit remainder. Bottom: the int32
 buffer of a real ``storage.ParameterUnit`` holding those weights, in the model layout (between steps:
 bf16 weights | remainders) and in the main layout (during the step: fp32 main weights).
 
@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ascendspeed.features.reuse_fp32_param import codec  # noqa: E402
+from ascendspeed.ops.bf16_split import bf16_split_  # noqa: E402
 from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit  # noqa: E402
 
 EXAMPLES = [0x3F9A_3C21, 0xBE4C_C9D7, 0x4048_8000, 0x4049_8000]
@@ -40,7 +40,9 @@ def draw_bits(axis, y, text, colours, x0=0.0, label=""):
 
 def main(path: str) -> None:
     values = torch.tensor(EXAMPLES, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    high, low, ties = codec.encode(values)
+    halves, low = values.view(torch.int16).clone(), torch.empty(values.numel(), dtype=torch.int16)
+    ties = bf16_split_(halves, 0, low)
+    high = halves[: values.numel()]
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 9.5), gridspec_kw={"height_ratios": [3, 1.3]})
     y = 0.0
     for index, value in enumerate(values.tolist()):

@@ -3,3 +3,4 @@ from ascendspeed.ops.swiglu import swiglu
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, alibi_slopes, local_alibi_slopes
 from ascendspeed.ops.rms_norm import rms_norm
 from ascendspeed.ops.rotary import rotary_embedding
+from ascendspeed.ops.bf16_split import bf16_join_, bf16_split_

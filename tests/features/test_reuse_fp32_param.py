@@ -11,7 +11,8 @@ import torch
 from tests.helpers.distributed import run_distributed
 
 from ascendspeed.features import FeatureArgumentError
-from ascendspeed.features.reuse_fp32_param import FEATURE, codec
+from ascendspeed.features.reuse_fp32_param import FEATURE
+from ascendspeed.ops.bf16_split import bf16_join_, bf16_split_, join_reference, split_reference
 
 
 def _rne_high(bits: torch.Tensor) -> torch.Tensor:
@@ -37,11 +38,35 @@ def _patterns() -> torch.Tensor:
     return torch.cat(grid).to(torch.int32)  # int64 -> int32 keeps the low 32 bits
 
 
-def test_split_is_exact_and_rounds_like_megatron():
+def _split_by_operator(main: torch.Tensor):
+    """``(high, low, ties)`` of fp32 ``main`` by the layout switch's operator (main is left as it is)."""
+    halves, low = main.view(torch.int16).clone(), torch.empty(main.numel(), dtype=torch.int16)
+    ties = bf16_split_(halves, 0, low)
+    return halves[: main.numel()], low, ties
+
+
+def _join_by_operator(high, low, ties):
+    halves = torch.empty(2 * high.numel(), dtype=torch.int16)
+    halves[: high.numel()] = high
+    bf16_join_(halves, ties, 0, low)
+    return halves.view(torch.float32)
+
+
+def _join_by_reference(high, low, ties):
+    out = torch.empty(high.numel(), 2, dtype=torch.int16)
+    return join_reference(high, low, ties, out).view(torch.float32).view(-1)
+
+
+SPLITS = {"operator": (_split_by_operator, _join_by_operator), "reference": (split_reference, _join_by_reference)}
+
+
+@pytest.mark.parametrize("implementation", list(SPLITS))
+def test_split_is_exact_and_rounds_like_megatron(implementation):
+    split, join = SPLITS[implementation]
     bits = _patterns()
     main = bits.view(torch.float32)
-    high, low, ties = codec.encode(main)
-    restored = codec.decode_new(high, low, ties)
+    high, low, ties = split(main)
+    restored = join(high, low, ties)
     nan = torch.isnan(main)
     assert torch.equal(restored.view(torch.int32)[~nan], bits[~nan]), "fp32 restored exactly (all but NaN)"
     assert torch.isnan(restored[nan]).all() and nan.sum() > 0, "NaN stays NaN"
@@ -62,20 +87,24 @@ def test_split_is_exact_for_every_fp32_pattern():
     for first in range(0, 1 << 32, chunk):
         bits = (offsets + first).to(torch.int32)
         main = bits.view(torch.float32)
-        high, low, ties = codec.encode(main)
-        restored = codec.decode_new(high, low, ties).view(torch.int32)
+        high, low, ties = _split_by_operator(main)
+        restored = _join_by_operator(high, low, ties).view(torch.int32)
         nan = torch.isnan(main)
         assert torch.equal(restored[~nan], bits[~nan]), hex(first)
         assert torch.isnan(restored.view(torch.float32)[nan]).all(), hex(first)
         assert torch.equal(high.to(torch.int64)[~nan] & 0xFFFF, _rne_high(bits)[~nan]), hex(first)
 
 
-@pytest.mark.parametrize("chunk", [1 << 20, 7, 1000])
-def test_piecewise_read_and_write_keep_ties_of_other_pieces(monkeypatch, chunk):
-    from ascendspeed.features.reuse_fp32_param import storage
-    from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
-    monkeypatch.setattr(storage, "CHUNK_ELEMENTS", chunk)  # layout switches in several chunks
+
+def test_piecewise_read_and_write_keep_ties_of_other_pieces(threads):
+    from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit
 
     generator = torch.Generator().manual_seed(1)
     values = torch.randint(0, 1 << 32, (4096,), generator=generator).to(torch.int32)
@@ -96,12 +125,8 @@ def test_piecewise_read_and_write_keep_ties_of_other_pieces(monkeypatch, chunk):
     assert torch.equal(unit.read().view(torch.int32), values)
 
 
-@pytest.mark.parametrize("chunk", [1 << 20, 3])
-def test_grouped_parameters_share_one_buffer_and_read_back_exactly(monkeypatch, chunk):
-    from ascendspeed.features.reuse_fp32_param import storage
+def test_grouped_parameters_share_one_buffer_and_read_back_exactly(threads):
     from ascendspeed.features.reuse_fp32_param.storage import ParameterUnit, group_parameters
-
-    monkeypatch.setattr(storage, "CHUNK_ELEMENTS", chunk)
 
     generator = torch.Generator().manual_seed(2)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator).to(torch.bfloat16))

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
 ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_ready"
-REUSE_SPLIT = "ascendspeed.features.reuse_fp32_param.codec:encode"
+REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
 #: micro-batch forward; backward runs inside its autograd function).
 CP_ATTENTION = "ascendspeed.features.context_parallel.megatron_attention:{}_attention"

@@ -24,7 +24,7 @@ def reuse_state(optimizer):
 
 
 #: Elements per shared buffer: small parameters are grouped (fewer, larger layout switches); a switch
-#: needs 2 bytes per element of its buffer as transient memory (32 MiB here, or the largest parameter's).
+#: stages 1 byte per element of its buffer (16 MiB here, or 1 byte per element of a larger parameter).
 GROUP_ELEMENTS = 1 << 24
 
 

@@ -4,10 +4,10 @@ A *unit* is a run of ``n`` weights whose fp32 main values can be laid out, durin
 as ``n`` fp32 numbers in memory the model does not need at that moment:
 
 * between steps (the *model layout*) the unit holds the bf16 weights ``high`` where the model reads
-  them and the remainders ``low`` (``codec``) beside them;
-* for the optimizer step (the *main layout*) it decodes both into the fp32 ``main`` region, the
-  optimizer updates that region in place, and encoding it again gives the new bf16 weights (rounded
-  to nearest even, as Megatron's copy) and remainders.
+  them and the 16-bit remainders ``low`` beside them (``ascendspeed.ops.bf16_split`` defines the split);
+* for the optimizer step (the *main layout*) ``bf16_join_`` turns both into the fp32 ``main`` region in
+  place, the optimizer updates that region, and ``bf16_split_`` turns it back into the new bf16 weights
+  (rounded to nearest even, as Megatron's copy) and remainders.
 
 ``ParameterUnit`` (Megatron's mixed-precision optimizer): one int32 buffer per parameter; its first
 half, viewed as bf16, *is* the parameter's data, its second half the remainders, and the whole
@@ -15,6 +15,11 @@ buffer viewed as fp32 is the main weight. ``BucketShardUnit`` (the distributed o
 weights of this rank's shard of a gradient bucket are laid out in the bucket's bf16 parameter buffer,
 whose other ranks' parts are refilled by the all-gather that follows every step; only the
 remainders (2 bytes per shard element) live elsewhere.
+
+A layout switch is one call of an operator, one pass over the unit's memory. Its transient memory is
+what the in-place overlap needs: for a ``ParameterUnit``, the remainders of the first half of the
+elements (1 byte per element of the buffer), which no order of the pass can read before the fp32
+values cover them; for a ``BucketShardUnit``, nothing.
 """
 from __future__ import annotations
 
@@ -22,7 +27,20 @@ from typing import Iterable, Optional
 
 import torch
 
-from ascendspeed.features.reuse_fp32_param import codec
+from ascendspeed.ops import bf16_split as layout_ops
+
+
+def ties_in_range(ties: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The positions of ``ties`` within ``[start, end)``, relative to ``start``."""
+    if not ties.numel():
+        return ties
+    return ties[(ties >= start) & (ties < end)] - start
+
+
+def replace_ties_in_range(ties: torch.Tensor, start: int, end: int, new: torch.Tensor) -> torch.Tensor:
+    """``ties`` with those in ``[start, end)`` replaced by ``new`` (relative to ``start``), sorted."""
+    kept = ties[(ties < start) | (ties >= end)] if ties.numel() else ties
+    return torch.sort(torch.cat((kept, new + start))).values
 
 
 class Unit:
@@ -43,39 +61,40 @@ class Unit:
         """The main region as int16 pairs ``[numel, 2]`` (fp32 in the main layout)."""
         raise NotImplementedError
 
-    def _decode_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(high, low)`` for ``codec.decode`` into the main region (``low`` must not overlap it)."""
+    def layout(self) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
+        """``(halves, high_offset, low)``: the arguments of ``bf16_split_`` / ``bf16_join_``."""
         raise NotImplementedError
 
     def main(self) -> torch.Tensor:
         return self.main_pairs().view(torch.float32).view(-1)
 
     def to_main_layout(self, preserve_model: bool = False) -> None:
-        """Decode into the main region. ``preserve_model``: keep model weights the region displaces
-        that encoding will not rewrite (only units that displace any do something with it)."""
-        high, low = self._decode_sources()
-        codec.decode(high, low, self.ties, self.main_pairs())
+        """Lay out the fp32 main weights. ``preserve_model``: keep model weights the region displaces
+        that the split will not rewrite (only units that displace any do something with it)."""
+        halves, high_offset, low = self.layout()
+        layout_ops.bf16_join_(halves, self.ties, high_offset, low)
 
     def to_model_layout(self) -> None:
-        high, low, self.ties = codec.encode(self.main())
-        self.high().copy_(high)
-        self.low().copy_(low)
+        self.ties = layout_ops.bf16_split_(*self.layout())
 
     def read(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """The exact fp32 main weights ``[start, end)`` as a new tensor (model layout)."""
         end = self.numel if end is None else end
-        return codec.decode_new(self.high()[start:end], self.low()[start:end],
-                                codec.ties_in_range(self.ties, start, end))
+        count = end - start
+        halves = torch.empty(2 * count, dtype=torch.int16, device=self.ties.device)
+        halves[:count].copy_(self.high()[start:end])
+        layout_ops.bf16_join_(halves, ties_in_range(self.ties, start, end), 0, self.low()[start:end])
+        return halves.view(torch.float32)
 
     def write(self, values: torch.Tensor, start: int = 0) -> None:
         """Set the main weights ``[start, start + len(values))`` to ``values`` (model layout); the bf16
         weights become their rounding, as after an optimizer step."""
-        values = values.detach().to(torch.float32).reshape(-1).contiguous()
+        values = values.detach().to(torch.float32).reshape(-1)
         end = start + values.numel()
-        high, low, ties = codec.encode(values)
-        self.high()[start:end].copy_(high)
-        self.low()[start:end].copy_(low)
-        self.ties = codec.replace_ties_in_range(self.ties, start, end, ties)
+        halves = values.view(torch.int16).clone()  # contiguous, and the caller's tensor stays as it is
+        ties = layout_ops.bf16_split_(halves, 0, self.low()[start:end])
+        self.high()[start:end].copy_(halves[: values.numel()])
+        self.ties = replace_ties_in_range(self.ties, start, end, ties)
 
     def reset_from_model(self) -> None:
         """Main weights := the bf16 weights exactly (Megatron's ``reload_model_params``)."""
@@ -87,14 +106,11 @@ class Unit:
         return [self.ties]
 
 
-#: Elements a layout switch of a ``ParameterUnit`` converts at a time (its transient working memory).
-CHUNK_ELEMENTS = 1 << 20
-
-
 class ParameterUnit(Unit):
     """bf16 parameters re-homed into one int32 buffer: ``[bf16 weights | remainders]`` between steps,
     their fp32 main weights one after the other during the step. Grouping small parameters saves
-    per-tensor work; the size of a group bounds the transient memory of a layout switch."""
+    per-tensor work; the size of a group bounds the transient memory of a layout switch (1 byte per
+    element: the remainders of the buffer's first half, staged by the operators)."""
 
     def __init__(self, params: list[torch.nn.Parameter]):
         for param in params:
@@ -122,30 +138,8 @@ class ParameterUnit(Unit):
     def main_pairs(self):
         return self.buffer.view(torch.int16).view(self.numel, 2)
 
-    def to_main_layout(self, preserve_model: bool = False) -> None:
-        """Decode chunk by chunk, last chunk first: a chunk's bf16 halves (slots ``[a, b)``) lie below the
-        slots its fp32 values take (``[2a, 2b)``), so no chunk overwrites halves still to be read. Only
-        the remainders, which the fp32 values cover, are copied first: 2 bytes per element of transient."""
-        low = self.low().clone()
-        high = self.high()
-        for start in reversed(range(0, self.numel, CHUNK_ELEMENTS)):
-            end = min(start + CHUNK_ELEMENTS, self.numel)
-            codec.decode(high[start:end], low[start:end], codec.ties_in_range(self.ties, start, end),
-                         self.buffer[start:end].view(torch.int16).view(-1, 2))
-
-    def to_model_layout(self) -> None:
-        """Encode chunk by chunk, first chunk first: a chunk's bf16 halves go to slots whose fp32 values
-        have been read already; the remainders wait in a 2-byte-per-element buffer until all are read."""
-        lows = torch.empty_like(self.low())
-        high_slots, ties = self.high(), []
-        for start in range(0, self.numel, CHUNK_ELEMENTS):
-            end = min(start + CHUNK_ELEMENTS, self.numel)
-            high, low, chunk_ties = codec.encode(self.buffer[start:end].view(torch.float32))
-            lows[start:end].copy_(low)
-            high_slots[start:end].copy_(high)
-            ties.append(chunk_ties + start)
-        self.low().copy_(lows)
-        self.ties = torch.cat(ties)
+    def layout(self):
+        return self.buffer.view(torch.int16), 0, None
 
     def main_params(self) -> list[torch.Tensor]:
         """The fp32 main weights the optimizer updates: views of the buffer as fp32, one per parameter."""
@@ -201,8 +195,8 @@ class BucketShardUnit(Unit):
     def main_pairs(self):
         return self.param_data.view(torch.int16)[: 2 * self.numel].view(self.numel, 2)
 
-    def _decode_sources(self):
-        return self.high(), self.low()
+    def layout(self):
+        return self.param_data.view(torch.int16), self.start, self.remainders
 
     def to_main_layout(self, preserve_model: bool = False) -> None:
         """With ``preserve_model`` the other ranks' bf16 weights the main region displaces are kept and
