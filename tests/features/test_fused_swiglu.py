@@ -233,7 +233,7 @@ def _train_worker(rank, world_size):
     runs = {}
     # Megatron's eager SwiGLU first: the fused runs apply the feature's patches for the rest of the process.
     for name, extra in [
-        ("megatron", ["--no-bias-swiglu-fusion"]),
+        ("megatron", ["--no-bias-swiglu-fusion", "--no-use-fused-swiglu"]),
         ("fused, fusion path", ["--use-fused-swiglu"]),
         ("fused, unfused path", ["--use-fused-swiglu", "--no-bias-swiglu-fusion"]),
     ]:
