@@ -34,14 +34,17 @@ MEGATRON_LM_PACKAGES = ("pyyaml", "pydantic", "six", "regex", "pybind11")
 #: Table columns: a feature and the test modules (dotted, from the repository root) that exercise it.
 #: A test module listed nowhere is counted under its directory's name.
 FEATURES = (
-    ("ALiBi", ("tests.features.test_alibi", "tests.ops.test_alibi_ops", "tests.ops.test_alibi_attention")),
+    ("ALiBi", ("tests.features.test_alibi", "tests.ops.test_alibi_ops", "tests.ops.test_alibi_attention",
+               "tests.ops.test_subnormals")),
     ("fused SwiGLU", ("tests.features.test_fused_swiglu", "tests.ops.test_swiglu")),
     ("async DDP", ("tests.features.test_async_ddp",)),
     ("sequence parallel, fused RMSNorm / RoPE", ("tests.features.test_sequence_parallel", "tests.ops.test_rms_norm",
                                                  "tests.ops.test_rotary")),
     ("context parallel", ("tests.features.test_context_parallel_attention",
-                          "tests.features.test_context_parallel_feature", "tests.features.test_context_parallel_gpt")),
-    ("reuse-fp32-param", ("tests.features.test_reuse_fp32_param", "tests.training.test_memory_account")),
+                          "tests.features.test_context_parallel_feature", "tests.features.test_context_parallel_gpt",
+                          "tests.features.test_context_parallel_npu")),
+    ("reuse-fp32-param", ("tests.features.test_reuse_fp32_param", "tests.training.test_memory_account",
+                          "tests.ops.test_bf16_split")),
     ("operator safety", ("tests.ops.test_operator_safety",)),
     ("CPU / gloo backend", ("tests.accelerator.test_cpu_shims", "tests.accelerator.test_device_selection",
                             "tests.accelerator.test_megatron_core_on_cpu")),
