@@ -63,13 +63,14 @@ for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
 sys.path.append(os.environ["MEGATRON_LM_PATH"])
 sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")
 runpy.run_path(sys.argv[0], run_name="__main__")
+# A leading newline: another rank may have left a line unfinished on the shared stdout.
 for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
-    print(f"calls rank={os.environ.get('RANK', '0')} {target} {CALLS[target]}", flush=True)
+    print(f"\\ncalls rank={os.environ.get('RANK', '0')} {target} {CALLS[target]}", flush=True)
 if "--log-cp-ring-overlap" in sys.argv:
     from ascendspeed.features.context_parallel.megatron_attention import TELEMETRY
 
     summary = TELEMETRY.summary()
-    print(f"cp ring rank={os.environ.get('RANK', '0')} hops={summary['hops']} "
+    print(f"\\ncp ring rank={os.environ.get('RANK', '0')} hops={summary['hops']} "
           f"hidden={summary['hidden_fraction']:.4f}", flush=True)
 '''
 ITERATIONS = 12
