@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace ascendspeed::vec {
 namespace CPU_CAPABILITY {
@@ -68,6 +70,31 @@ struct Block {
     }
   }
 };
+
+// v with elements 2k and 2k + 1 exchanged, for every k: the mates of interleaved pairs.
+template <typename T>
+Vectorized<T> swap_adjacent(const Vectorized<T>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_permute_ps(v, 0b10110001);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return _mm512_permute_pd(v, 0b01010101);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_permute_ps(v, 0b10110001);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return _mm256_permute_pd(v, 0b0101);
+  }
+#endif
+  static_assert(Vectorized<T>::size() % 2 == 0, "pairs must not straddle vectors");
+  std::array<T, Vectorized<T>::size()> values;
+  v.store(values.data());
+  for (size_t k = 0; k + 1 < values.size(); k += 2) {
+    std::swap(values[k], values[k + 1]);
+  }
+  return Vectorized<T>::loadu(values.data());
+}
 
 } // namespace CPU_CAPABILITY
 } // namespace ascendspeed::vec

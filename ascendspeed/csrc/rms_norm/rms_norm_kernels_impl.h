@@ -12,6 +12,7 @@
 #include <ATen/cpu/vec/functional.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <vector>
@@ -85,8 +86,12 @@ void forward_typed(
       const opmath_t r = opmath_t(1) / std::sqrt(squares / opmath_t(cols) + static_cast<opmath_t>(eps));
       rstd_data[row] = r;
       const Vec vr(r);
+      const bool prefetch_next = row + 1 < end;
       for (int64_t i = 0; i < cols; i += B::kSize) {
         const int64_t count = std::min(B::kSize, cols - i);
+        if (prefetch_next) {
+          __builtin_prefetch(xr + cols + i);
+        }
         auto v = B::load(xr + i, count);
         const auto g = B::load_opmath(gamma_data + i, count);
         for (int p = 0; p < B::kParts; ++p) {
@@ -96,6 +101,73 @@ void forward_typed(
       }
     }
   });
+}
+
+// Rows are taken kRowBlock at a time in the second backward pass: the weight and the partial weight
+// gradient (a row of opmath values each, twice the bytes of a bf16 row) are then loaded and stored
+// once per block of rows instead of once per row.
+constexpr int kRowBlock = 4;
+
+// Rows [first, first + kRows) of one thread: grad_x, and grad_gamma summed into `partial`.
+template <int kRows, typename scalar_t>
+void backward_row_block(
+    const scalar_t* g_data,
+    const scalar_t* x_data,
+    const at::opmath_type<scalar_t>* rstd_data,
+    const at::opmath_type<scalar_t>* gamma_data,
+    scalar_t* dx_data,
+    at::opmath_type<scalar_t>* partial,
+    int64_t first,
+    int64_t cols,
+    bool prefetch_next) {
+  using B = Block<scalar_t>;
+  using opmath_t = typename B::opmath_t;
+  using Vec = typename B::Vec;
+  std::array<const scalar_t*, kRows> gr, xr;
+  std::array<scalar_t*, kRows> dxr;
+  std::array<Vec, kRows> vr, correction;
+  for (int k = 0; k < kRows; ++k) {
+    gr[k] = g_data + (first + k) * cols;
+    xr[k] = x_data + (first + k) * cols;
+    dxr[k] = dx_data + (first + k) * cols;
+    const opmath_t r = rstd_data[first + k];
+    // mean(grad_y * gamma * x)
+    const opmath_t dot = row_dot(
+        xr[k],
+        [&](int64_t i, int64_t count) {
+          auto g = B::load(gr[k] + i, count);
+          const auto w = B::load_opmath(gamma_data + i, count);
+          for (int p = 0; p < B::kParts; ++p) {
+            g[p] = g[p] * w[p];
+          }
+          return g;
+        },
+        cols);
+    vr[k] = Vec(r);
+    // r^3 * mean: in this order r^3 alone cannot underflow where the product does not.
+    correction[k] = Vec(r * (r * (r * dot / opmath_t(cols))));
+  }
+  for (int64_t i = 0; i < cols; i += B::kSize) {
+    const int64_t count = std::min(B::kSize, cols - i);
+    const auto w = B::load_opmath(gamma_data + i, count);
+    auto dw = B::load_opmath(partial + i, count);
+    for (int k = 0; k < kRows; ++k) {
+      if (prefetch_next) {
+        __builtin_prefetch(gr[k] + kRows * cols + i);
+        __builtin_prefetch(xr[k] + kRows * cols + i);
+      }
+      const auto g = B::load(gr[k] + i, count);
+      const auto x = B::load(xr[k] + i, count);
+      typename B::Values dx;
+      for (int p = 0; p < B::kParts; ++p) {
+        const Vec scaled = g[p] * vr[k];
+        dx[p] = at::vec::fmsub(scaled, w[p], x[p] * correction[k]);
+        dw[p] = at::vec::fmadd(scaled, x[p], dw[p]);
+      }
+      B::store(dxr[k] + i, dx, count);
+    }
+    B::store_opmath(partial + i, dw, count);
+  }
 }
 
 // One thread's rows [begin, end): grad_x, and grad_gamma summed into `partial` (cols opmath values).
@@ -110,44 +182,13 @@ void backward_rows(
     int64_t begin,
     int64_t end,
     int64_t cols) {
-  using B = Block<scalar_t>;
-  using opmath_t = typename B::opmath_t;
-  using Vec = typename B::Vec;
-  for (int64_t row = begin; row < end; ++row) {
-    const scalar_t* gr = g_data + row * cols;
-    const scalar_t* xr = x_data + row * cols;
-    scalar_t* dxr = dx_data + row * cols;
-    const opmath_t r = rstd_data[row];
-    // mean(grad_y * gamma * x)
-    const opmath_t dot = row_dot(
-        xr,
-        [&](int64_t i, int64_t count) {
-          auto g = B::load(gr + i, count);
-          const auto w = B::load_opmath(gamma_data + i, count);
-          for (int p = 0; p < B::kParts; ++p) {
-            g[p] = g[p] * w[p];
-          }
-          return g;
-        },
-        cols);
-    const Vec vr(r);
-    // r^3 * mean: in this order r^3 alone cannot underflow where the product does not.
-    const Vec correction(r * (r * (r * dot / opmath_t(cols))));
-    for (int64_t i = 0; i < cols; i += B::kSize) {
-      const int64_t count = std::min(B::kSize, cols - i);
-      const auto g = B::load(gr + i, count);
-      const auto x = B::load(xr + i, count);
-      const auto w = B::load_opmath(gamma_data + i, count);
-      auto dw = B::load_opmath(partial + i, count);
-      typename B::Values dx;
-      for (int p = 0; p < B::kParts; ++p) {
-        const Vec gr_ = g[p] * vr;
-        dx[p] = gr_ * w[p] - x[p] * correction;
-        dw[p] = at::vec::fmadd(gr_, x[p], dw[p]);
-      }
-      B::store(dxr + i, dx, count);
-      B::store_opmath(partial + i, dw, count);
-    }
+  int64_t row = begin;
+  for (; row + kRowBlock <= end; row += kRowBlock) {
+    backward_row_block<kRowBlock>(
+        g_data, x_data, rstd_data, gamma_data, dx_data, partial, row, cols, row + 2 * kRowBlock <= end);
+  }
+  for (; row < end; ++row) {
+    backward_row_block<1>(g_data, x_data, rstd_data, gamma_data, dx_data, partial, row, cols, false);
   }
 }
 

@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <utility>
 #include <vector>
 
 namespace ascendspeed::rotary {
@@ -20,101 +19,109 @@ namespace CPU_CAPABILITY {
 namespace {
 
 using ascendspeed::vec::CPU_CAPABILITY::Block;
+using ascendspeed::vec::CPU_CAPABILITY::swap_adjacent;
 
 // Below this many elements a second thread costs more to wake than it saves.
 constexpr int64_t kGrainSize = 32768;
 
-// The coefficients of one sequence position, per feature pair k < half:
-//   out_a = t_a * cos_a[k] + t_b * partner_a[k],   out_b = t_b * cos_b[k] + t_a * partner_b[k].
+// The coefficients of one sequence position, in feature order j < d_rot, with mate(j) the other
+// feature of j's pair (j +- d_rot / 2, or j ^ 1 interleaved):
+//   out[j] = t[j] * cosine[j] + t[mate(j)] * partner[j].
+// Forward: partner[j] = -sin f_j for the first feature of a pair, +sin f_j for the second; the
+// transpose (backward) uses partner[mate(j)] instead.
 template <typename opmath_t>
 class Tables {
  public:
-  explicit Tables(int64_t half) : half_(half), tables_(4 * half), trig_(4 * half) {}
+  explicit Tables(int64_t d_rot) : d_rot_(d_rot), cosine_(d_rot), partner_(d_rot), sine_(d_rot) {}
 
-  // angles: the 2 * half angles of one sequence position, in feature order.
+  // angles: the d_rot angles of one sequence position, in feature order.
   void build(const opmath_t* angles, bool interleaved, bool transpose) {
     using Vec = at::vec::Vectorized<opmath_t>;
-    const int64_t d_rot = 2 * half_;
-    opmath_t* cosines = trig_.data();
-    opmath_t* sines = cosines + d_rot;
-    for (int64_t i = 0; i < d_rot; i += Vec::size()) {
-      const int64_t count = std::min<int64_t>(Vec::size(), d_rot - i);
-      const Vec angle = Vec::loadu(angles + i, count);
-      angle.cos().store(cosines + i, count);
-      angle.sin().store(sines + i, count);
+    for (int64_t j = 0; j < d_rot_; j += Vec::size()) {
+      const int64_t count = std::min<int64_t>(Vec::size(), d_rot_ - j);
+      const Vec angle = Vec::loadu(angles + j, count);
+      angle.cos().store(cosine_.data() + j, count);
+      angle.sin().store(sine_.data() + j, count);
     }
-    for (int64_t k = 0; k < half_; ++k) {
-      const int64_t a = interleaved ? 2 * k : k;
-      const int64_t b = interleaved ? 2 * k + 1 : k + half_;
-      cos_a()[k] = cosines[a];
-      cos_b()[k] = cosines[b];
-      partner_a()[k] = transpose ? sines[b] : -sines[a];
-      partner_b()[k] = transpose ? -sines[a] : sines[b];
+    const int64_t half = d_rot_ / 2;
+    for (int64_t j = 0; j < d_rot_; ++j) {
+      const bool first = interleaved ? j % 2 == 0 : j < half;
+      const int64_t mate = interleaved ? j ^ 1 : (first ? j + half : j - half);
+      // the forward partner of feature i is -sin f_i (first of its pair) or +sin f_i (second)
+      partner_[j] = transpose ? (first ? sine_[mate] : -sine_[mate]) : (first ? -sine_[j] : sine_[j]);
     }
   }
 
-  opmath_t* cos_a() { return tables_.data(); }
-  opmath_t* cos_b() { return tables_.data() + half_; }
-  opmath_t* partner_a() { return tables_.data() + 2 * half_; }
-  opmath_t* partner_b() { return tables_.data() + 3 * half_; }
+  const opmath_t* cosine() const { return cosine_.data(); }
+  const opmath_t* partner() const { return partner_.data(); }
 
  private:
-  int64_t half_;
-  std::vector<opmath_t> tables_;
-  std::vector<opmath_t> trig_;
+  int64_t d_rot_;
+  std::vector<opmath_t> cosine_;
+  std::vector<opmath_t> partner_;
+  std::vector<opmath_t> sine_;
 };
 
-// One block of up to B::kSize pairs starting at pair k: the a and b features as opmath vectors.
-template <typename scalar_t, typename Rotate>
-void rotate_pairs(const scalar_t* in, scalar_t* out, int64_t half, bool interleaved, const Rotate& rotate) {
+// Pairs (j, j + half): the two halves of a row are blocks of the same positions, so out needs no
+// shuffle: out_a = a cos_a + b partner_a, out_b = b cos_b + a partner_b, a block of pairs at a time.
+template <typename scalar_t>
+void rotate_halves(const scalar_t* in, scalar_t* out, const Tables<at::opmath_type<scalar_t>>& tables, int64_t half) {
   using B = Block<scalar_t>;
+  const auto* cosine = tables.cosine();
+  const auto* partner = tables.partner();
   for (int64_t k = 0; k < half; k += B::kSize) {
     const int64_t count = std::min(B::kSize, half - k);
-    if (!interleaved) {
-      auto a = B::load(in + k, count);
-      auto b = B::load(in + half + k, count);
-      rotate(k, count, a, b);
-      B::store(out + k, a, count);
-      B::store(out + half + k, b, count);
-      continue;
-    }
-    // 2 * count interleaved features [a0 b0 a1 b1 ...] as two blocks, split into a and b vectors.
-    const int64_t first = std::min(B::kSize, 2 * count);
-    const int64_t second = 2 * count - first;
-    auto lo = B::load(in + 2 * k, first);
-    auto hi = second > 0 ? B::load(in + 2 * k + B::kSize, second) : lo;
-    typename B::Values a, b;
+    const auto a = B::load(in + k, count);
+    const auto b = B::load(in + half + k, count);
+    const auto cos_a = B::load_opmath(cosine + k, count);
+    const auto cos_b = B::load_opmath(cosine + half + k, count);
+    const auto partner_a = B::load_opmath(partner + k, count);
+    const auto partner_b = B::load_opmath(partner + half + k, count);
+    typename B::Values out_a, out_b;
     for (int p = 0; p < B::kParts; ++p) {
-      const auto& even = 2 * p < B::kParts ? lo[2 * p] : hi[2 * p - B::kParts];
-      const auto& odd = 2 * p + 1 < B::kParts ? lo[2 * p + 1] : hi[2 * p + 1 - B::kParts];
-      std::tie(a[p], b[p]) = at::vec::deinterleave2(even, odd);
+      out_a[p] = at::vec::fmadd(b[p], partner_a[p], a[p] * cos_a[p]);
+      out_b[p] = at::vec::fmadd(a[p], partner_b[p], b[p] * cos_b[p]);
     }
-    rotate(k, count, a, b);
+    B::store(out + k, out_a, count);
+    B::store(out + half + k, out_b, count);
+  }
+}
+
+// Interleaved pairs (2k, 2k + 1): each vector holds whole pairs, and its mates are the same vector
+// with adjacent elements swapped (one in-lane shuffle), so out = t cos + swap(t) partner.
+template <typename scalar_t>
+void rotate_interleaved(
+    const scalar_t* in,
+    scalar_t* out,
+    const Tables<at::opmath_type<scalar_t>>& tables,
+    int64_t d_rot) {
+  using B = Block<scalar_t>;
+  const auto* cosine = tables.cosine();
+  const auto* partner = tables.partner();
+  for (int64_t j = 0; j < d_rot; j += B::kSize) {
+    const int64_t count = std::min(B::kSize, d_rot - j);
+    auto v = B::load(in + j, count);
+    const auto c = B::load_opmath(cosine + j, count);
+    const auto s = B::load_opmath(partner + j, count);
     for (int p = 0; p < B::kParts; ++p) {
-      auto [even, odd] = at::vec::interleave2(a[p], b[p]);
-      (2 * p < B::kParts ? lo[2 * p] : hi[2 * p - B::kParts]) = even;
-      (2 * p + 1 < B::kParts ? lo[2 * p + 1] : hi[2 * p + 1 - B::kParts]) = odd;
+      v[p] = at::vec::fmadd(swap_adjacent(v[p]), s[p], v[p] * c[p]);
     }
-    B::store(out + 2 * k, lo, first);
-    if (second > 0) {
-      B::store(out + 2 * k + B::kSize, hi, second);
-    }
+    B::store(out + j, v, count);
   }
 }
 
 template <typename scalar_t>
 void apply_typed(const at::Tensor& t, const at::Tensor& freqs, bool interleaved, bool transpose, const at::Tensor& out) {
-  using B = Block<scalar_t>;
-  using opmath_t = typename B::opmath_t;
+  using opmath_t = at::opmath_type<scalar_t>;
   const int64_t seq = t.size(0), batch = t.size(1), heads = t.size(2), dim = t.size(3);
-  const int64_t d_rot = freqs.size(-1), half = d_rot / 2;
+  const int64_t d_rot = freqs.size(-1);
   const int64_t stride_s = t.stride(0), stride_b = t.stride(1), stride_h = t.stride(2);
   const scalar_t* t_data = t.const_data_ptr<scalar_t>();
   const opmath_t* freqs_data = freqs.const_data_ptr<opmath_t>();
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, heads * dim));
   at::parallel_for(0, seq * batch, grain, [&](int64_t begin, int64_t end) {
-    Tables<opmath_t> tables(half);
+    Tables<opmath_t> tables(d_rot);
     int64_t tables_position = -1;
     for (int64_t index = begin; index < end; ++index) {
       const int64_t position = index / batch;
@@ -123,25 +130,14 @@ void apply_typed(const at::Tensor& t, const at::Tensor& freqs, bool interleaved,
         tables.build(freqs_data + position * d_rot, interleaved, transpose);
         tables_position = position;
       }
-      const opmath_t* cos_a = tables.cos_a();
-      const opmath_t* cos_b = tables.cos_b();
-      const opmath_t* partner_a = tables.partner_a();
-      const opmath_t* partner_b = tables.partner_b();
-      const auto rotate = [&](int64_t k, int64_t count, typename B::Values& a, typename B::Values& b) {
-        const auto ca = B::load_opmath(cos_a + k, count);
-        const auto cb = B::load_opmath(cos_b + k, count);
-        const auto pa = B::load_opmath(partner_a + k, count);
-        const auto pb = B::load_opmath(partner_b + k, count);
-        for (int p = 0; p < B::kParts; ++p) {
-          const auto new_a = a[p] * ca[p] + b[p] * pa[p];
-          b[p] = b[p] * cb[p] + a[p] * pb[p];
-          a[p] = new_a;
-        }
-      };
       for (int64_t head = 0; head < heads; ++head) {
         const scalar_t* in = t_data + position * stride_s + entry * stride_b + head * stride_h;
         scalar_t* row = out_data + (index * heads + head) * dim;
-        rotate_pairs(in, row, half, interleaved, rotate);
+        if (interleaved) {
+          rotate_interleaved(in, row, tables, d_rot);
+        } else {
+          rotate_halves(in, row, tables, d_rot / 2);
+        }
         if (dim > d_rot) {
           std::memcpy(row + d_rot, in + d_rot, (dim - d_rot) * sizeof(scalar_t));
         }

@@ -1,0 +1,220 @@
+"""Timing a fused operator against eager baselines and the memory-bandwidth floor (bench/rms_norm.py,
+bench/rotary.py).
+
+A round times, for every implementation in turn, a copy of a tensor of the input's size into a
+preallocated buffer, then the implementation's forward and its backward under autograd. Every one of
+those timed phases starts with cold caches: a buffer several times the size of the last-level cache is
+written just before it. The inputs of a 7B layer are about the size of a server's L3 (16.8 M elements,
+32 MiB in bf16), so without this the copy and each implementation would be helped, each by a different
+amount, by whatever the previous phase left in the cache; with it the floor is the DRAM bandwidth
+that a training step, whose activations were written long before, actually has.
+
+The copy gives the bandwidth B (2 bytes of traffic per byte of the tensor); the floor of a phase is the
+bytes an ideal kernel moves, over B. Every implementation returns fresh memory, which the OS zeroes
+when it is first touched unless the allocator keeps freed memory (--warm-allocator): the "fresh floor"
+counts that zeroing as one more write of each output, and each round also measures what a fresh
+buffer of the input's size really costs beyond the write (`first_touch_ms`: page faults and zeroing). Rounds interleave the implementations, so a change of machine load hits all of
+them alike; medians of the rounds are reported, beside the best round and the median over rounds of the
+step against the copy timed just before it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# At least this much is written to push the caches out before each timed phase.
+MIN_EVICTION_BYTES = 256 << 20
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (sysfs), 0 when it reports none."""
+    largest = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "size")) as size_file:
+                text = size_file.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return largest
+
+
+class CacheEvictor:
+    """Writes a buffer of 8x the last-level cache (at least MIN_EVICTION_BYTES): no earlier data stays cached."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.zeros(max(MIN_EVICTION_BYTES, 8 * last_level_cache_bytes()), dtype=torch.uint8)
+
+    def __call__(self) -> None:
+        self.buffer.add_(1)
+
+
+@dataclass
+class Phases:
+    """The bytes an ideal kernel moves, in multiples of the input's bytes N, per phase."""
+
+    forward: int
+    backward: int
+    # plus the first touch of each fresh output (y in forward; grad of the input in backward)
+    fresh_forward: int
+    fresh_backward: int
+
+
+def saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes autograd saves for backward in one forward: distinct storages, each counted once."""
+    storages = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(storages.values())
+
+
+def measure(
+    impls: dict[str, Callable[[], torch.Tensor]],
+    leaves: list[torch.Tensor],
+    grad: torch.Tensor,
+    phases: Phases,
+    reps: int,
+    ours: str = "ours",
+) -> dict:
+    """Forward+backward of each implementation (a closure over its inputs; `leaves` are the tensors that
+    require grad) against the copy floor; the floor, medians, best rounds and ratios in ms."""
+    evict = CacheEvictor()
+    source = torch.randn_like(grad)
+    target = torch.empty_like(source)
+
+    def step(forward):
+        for leaf in leaves:
+            leaf.grad = None
+        evict()
+        start = time.perf_counter()
+        out = forward()
+        middle = time.perf_counter()
+        evict()
+        resumed = time.perf_counter()
+        out.backward(grad)
+        end = time.perf_counter()
+        for leaf in leaves:
+            leaf.grad = None
+        return middle - start, end - resumed
+
+    def copy():
+        evict()
+        start = time.perf_counter()
+        target.copy_(source)
+        return time.perf_counter() - start
+
+    def fill(fresh: bool):
+        evict()
+        start = time.perf_counter()
+        (torch.empty_like(source) if fresh else target).fill_(1)
+        return time.perf_counter() - start
+
+    for forward in impls.values():
+        step(forward)  # warm up
+    samples = {name: ([], [], []) for name in impls}  # forward, backward, the copy timed before them
+    first_touch = []  # a fresh buffer of the input's size filled, less the same fill of a reused one
+    for _ in range(reps):
+        first_touch.append(fill(fresh=True) - fill(fresh=False))
+        for name, forward in impls.items():
+            samples[name][2].append(copy())
+            fwd, bwd = step(forward)
+            samples[name][0].append(fwd)
+            samples[name][1].append(bwd)
+
+    nbytes = grad.numel() * grad.element_size()
+    copies = [seconds for _, _, before in samples.values() for seconds in before]
+    bandwidth = 2 * nbytes / statistics.median(copies)
+    floor_bytes = (phases.forward + phases.backward) * nbytes
+    fresh_bytes = (phases.fresh_forward + phases.fresh_backward) * nbytes
+    row = {
+        "shape": list(grad.shape),
+        "dtype": str(grad.dtype).replace("torch.", ""),
+        "reps": reps,
+        "copy_bandwidth_gbs": bandwidth / 1e9,
+        "floor_ms": {
+            "fwd": 1e3 * phases.forward * nbytes / bandwidth,
+            "bwd": 1e3 * phases.backward * nbytes / bandwidth,
+            "total": 1e3 * floor_bytes / bandwidth,
+        },
+        # What a fresh output of the input's size costs beyond writing it (page faults and the OS's zeroing;
+        # about 0 with --warm-allocator): every out-of-place implementation pays it per output.
+        "first_touch_ms": 1e3 * statistics.median(first_touch),
+        "fresh_floor_ms": {
+            "fwd": 1e3 * phases.fresh_forward * nbytes / bandwidth,
+            "bwd": 1e3 * phases.fresh_backward * nbytes / bandwidth,
+            "total": 1e3 * fresh_bytes / bandwidth,
+        },
+    }
+    for name, (fwd, bwd, _) in samples.items():
+        row[name] = {
+            "fwd_ms": 1e3 * statistics.median(fwd),
+            "bwd_ms": 1e3 * statistics.median(bwd),
+            "total_ms": 1e3 * statistics.median(f + b for f, b in zip(fwd, bwd)),
+            "saved_over_input": saved_bytes(impls[name]) / nbytes,
+        }
+    fwd, bwd, before = samples[ours]
+    # copy seconds * floor_bytes / (2 nbytes) is the floor at the bandwidth of that round's copy
+    row["ours_over_floor_paired"] = statistics.median(
+        (f + b) / (copy * floor_bytes / (2 * nbytes)) for f, b, copy in zip(fwd, bwd, before)
+    )
+    best_bandwidth = 2 * nbytes / min(copies)
+    row["best"] = {
+        "copy_bandwidth_gbs": best_bandwidth / 1e9,
+        **{name: 1e3 * min(f + b for f, b, _ in zip(*samples[name])) for name in impls},
+    }
+    row["best"]["ours_over_floor"] = row["best"][ours] * 1e-3 / (floor_bytes / best_bandwidth)
+    total = row[ours]["total_ms"]
+    row["speedup_vs"] = {name: row[name]["total_ms"] / total for name in impls if name != ours}
+    row["ours_over_floor"] = total / row["floor_ms"]["total"]
+    row["ours_over_fresh_floor"] = total / row["fresh_floor_ms"]["total"]
+    return row
+
+
+def cpu_info() -> dict:
+    info = {"model": platform.processor() or "unknown", "flags": [], "cores": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    info["model"] = value.strip()
+                elif key.strip() == "flags":
+                    info["flags"] = value.split()
+                    break
+    except OSError:
+        pass
+    info["last_level_cache_bytes"] = last_level_cache_bytes()
+    return info
+
+
+def describe_run(result: dict) -> str:
+    """The first line of a report: machine, build, load and allocator."""
+    cpu = result["cpu"]
+    return (
+        f"CPU: {cpu['model']} ({cpu['cores']} cores, shared with other work, "
+        f"last-level cache {cpu['last_level_cache_bytes'] >> 20} MiB); torch {result['torch']}; "
+        f"kernels: {result['kernel']}; {result['threads']} threads; 1-minute load average "
+        f"{result['load_before']:.1f} before, {result['load_after']:.1f} after; "
+        + ("warm allocator (freed memory reused)" if result["warm_allocator"] else "glibc's default allocator")
+        + "; every timed phase from cold caches"
+    )
