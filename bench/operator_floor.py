@@ -30,6 +30,7 @@ import torch
 
 # At least this much is written to push the caches out before each timed phase.
 MIN_EVICTION_BYTES = 256 << 20
+WARM_UP_ROUNDS = 3
 
 
 def last_level_cache_bytes() -> int:
@@ -129,17 +130,19 @@ def measure(
         (torch.empty_like(source) if fresh else target).fill_(1)
         return time.perf_counter() - start
 
-    for forward in impls.values():
-        step(forward)  # warm up
     samples = {name: ([], [], []) for name in impls}  # forward, backward, the copy timed before them
     first_touch = []  # a fresh buffer of the input's size filled, less the same fill of a reused one
-    for _ in range(reps):
-        first_touch.append(fill(fresh=True) - fill(fresh=False))
-        for name, forward in impls.items():
-            samples[name][2].append(copy())
-            fwd, bwd = step(forward)
+    # The first rounds are not recorded: with --warm-allocator the heap grows to its peak in them.
+    for round_ in range(-WARM_UP_ROUNDS, reps):
+        touch = fill(fresh=True) - fill(fresh=False)
+        timings = {name: (copy(), *step(forward)) for name, forward in impls.items()}
+        if round_ < 0:
+            continue
+        first_touch.append(touch)
+        for name, (before, fwd, bwd) in timings.items():
             samples[name][0].append(fwd)
             samples[name][1].append(bwd)
+            samples[name][2].append(before)
 
     nbytes = grad.numel() * grad.element_size()
     copies = [seconds for _, _, before in samples.values() for seconds in before]
