@@ -193,6 +193,42 @@ def measure(
     return row
 
 
+def combine_runs(runs: list[list[dict]]) -> list[dict]:
+    """Rows of several whole runs (same cells, same order) as one: per cell, the run with the median
+    ratio to the floor, with the range of that ratio and of the speed-ups over all runs. The bandwidth
+    this VM's host gives changes over tens of seconds, more than within one run's interleaved rounds."""
+    combined = []
+    for cells in zip(*runs):
+        ordered = sorted(cells, key=lambda row: row["ours_over_floor"])
+        row = dict(ordered[len(ordered) // 2])
+        row["runs"] = len(cells)
+        row["ours_over_floor_range"] = [ordered[0]["ours_over_floor"], ordered[-1]["ours_over_floor"]]
+        row["speedup_range"] = {
+            name: [min(cell["speedup_vs"][name] for cell in cells), max(cell["speedup_vs"][name] for cell in cells)]
+            for name in row["speedup_vs"]
+        }
+        combined.append(row)
+    return combined
+
+
+def describe_runs(rows: list[dict]) -> list[str]:
+    """Report lines on the spread over runs (empty for a single run)."""
+    if rows[0]["runs"] == 1:
+        return []
+    lines = [
+        "",
+        f"Each row above is the median of {rows[0]['runs']} whole runs by f+b / floor; over all runs:",
+        "",
+        "| row | f+b / floor, min-max | " + " | ".join(f"vs {name}, min-max" for name in rows[0]["speedup_range"]) + " |",
+        "|---|---|" + "---|" * len(rows[0]["speedup_range"]),
+    ]
+    for index, row in enumerate(rows, 1):
+        low, high = row["ours_over_floor_range"]
+        speedups = " | ".join(f"{a:.1f}-{b:.1f}x" for a, b in row["speedup_range"].values())
+        lines.append(f"| {index} | {low:.2f}-{high:.2f} | {speedups} |")
+    return lines
+
+
 def cpu_info() -> dict:
     info = {"model": platform.processor() or "unknown", "flags": [], "cores": os.cpu_count()}
     try:

@@ -26,7 +26,7 @@ import time
 import warnings
 
 from allocator import rerun_with_warm_allocator, warm_allocator_active
-from operator_floor import Phases, cpu_info, describe_run, measure
+from operator_floor import Phases, combine_runs, cpu_info, describe_run, describe_runs, measure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4096, 1, 32, 128)
@@ -102,12 +102,13 @@ def report(result) -> str:
             f"| {best['copy_bandwidth_gbs']:.1f} | {best['ours']:.1f} | {best['eager']:.1f} "
             f"| {best['eager'] / best['ours']:.2f}x | {best['ours_over_floor']:.2f} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + describe_runs(result["rows"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21, help="timed rounds per dtype")
+    parser.add_argument("--runs", type=int, default=1, help="whole runs; the median run of each row is reported")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the kernel")
@@ -122,9 +123,12 @@ def main() -> None:
     started = time.perf_counter()
     load_before = os.getloadavg()[0]
     shape = QUICK_SHAPE if args.quick else SHAPE
-    rows = [
-        measure_layout(torch, impls, shape, getattr(torch, d), interleaved, args.reps) for d in DTYPES for interleaved in LAYOUTS
-    ]
+    rows = combine_runs(
+        [
+            [measure_layout(torch, impls, shape, getattr(torch, d), layout, args.reps) for d in DTYPES for layout in LAYOUTS]
+            for _ in range(args.runs)
+        ]
+    )
     result = {
         "benchmark": "rotary_embedding forward+backward",
         "cpu": cpu_info(),
