@@ -2,7 +2,9 @@
 
 Two ranks run tensor parallel 2 with ``--sequence-parallel`` and compare every gradient with the unsharded
 single-process model (fp32, 1e-6 relative), for LayerNorm, RMSNorm (eager and fused), zero-centred gamma,
-and with ALiBi + fused SwiGLU and with RoPE on.
+and with ALiBi + fused SwiGLU, with RoPE, and with fused RoPE + fused RMSNorm on. The training entry with
+the fused RMSNorm and RoPE, with and without sequence parallelism, matches Megatron's own norm and rotary
+embedding step for step.
 """
 import pytest
 import torch
@@ -25,6 +27,12 @@ CASES = {
         {"position_embedding_type": "alibi"},
     ),
     "rope": ({}, {"position_embedding_type": "rope"}, {"position_embedding_type": "rope"}),
+    "rope_fused_rmsnorm_fused": (
+        {"normalization": "RMSNorm"},
+        {"position_embedding_type": "rope", "use_fused_rotary_pos_emb": True, "normalization": "RMSNorm",
+         "use_fused_rmsnorm": True},
+        {"position_embedding_type": "rope"},
+    ),
 }
 
 
@@ -127,3 +135,50 @@ def test_bad_combinations_are_refused_naming_the_flags(settings, named):
     with pytest.raises(FeatureArgumentError, match=named):
         enable_features(**settings)
     disable_features(["local_norm"])
+
+
+# -- two ranks, the training entry: fused norm and RoPE with sequence parallelism, step for step -----------
+TRAIN_FLAGS = [
+    "--tensor-model-parallel-size", "2", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "4", "--lr-warmup-iters", "1",
+    "--lr", "3e-3", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--eval-seq-lengths", "32", "--split", "998,2",
+]
+#: Counted in backward: the final evaluation runs the forward operators too.
+FUSED_OPS = ("ascendspeed::rms_norm_backward", "ascendspeed::rotary_embedding_backward")
+
+
+def _train_worker(rank, world_size):
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    runs = {}
+    for name, extra in [
+        ("megatron", []),
+        ("fused", ["--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"]),
+        ("fused, sequence parallel", ["--use-fused-rmsnorm", "--use-fused-rotary-pos-emb", "--sequence-parallel"]),
+    ]:
+        try:
+            with torch.autograd.profiler.profile() as profile:
+                result = train(parse_args(TRAIN_FLAGS + extra, world_size=world_size))
+        finally:
+            disable_features()
+        calls = {op: sum(event.name == op for event in profile.function_events) for op in FUSED_OPS}
+        runs[name] = (list(result.losses), list(result.features), calls)
+    return runs
+
+
+def test_training_with_fused_rmsnorm_and_rope_matches_megatron_step_for_step():
+    """The entry with --use-fused-rmsnorm --use-fused-rotary-pos-emb, with and without --sequence-parallel,
+    against Megatron's own RMSNorm and rotary embedding: the same losses at every step."""
+    for runs in run_distributed(_train_worker, 2, timeout=600):
+        reference, features, calls = runs["megatron"]
+        assert "fused_rope" not in features and calls == dict.fromkeys(FUSED_OPS, 0) and len(reference) == 4
+        for name in ("fused", "fused, sequence parallel"):
+            losses, features, calls = runs[name]
+            assert {"local_norm", "fused_rope"} <= set(features), name
+            # per iteration and micro-batch: 2 norms per layer and the final norm; RoPE on q and k per layer
+            assert calls["ascendspeed::rms_norm_backward"] == 4 * 2 * (2 * 2 + 1), name
+            assert calls["ascendspeed::rotary_embedding_backward"] == 4 * 2 * 2 * 2, name
+            assert losses == pytest.approx(reference, rel=1e-5), name

@@ -29,6 +29,8 @@ SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
 ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_ready"
 REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
+RMS_NORM_OP = "ascendspeed.ops.rms_norm:rms_norm"
+ROTARY_OP = "ascendspeed.ops.rotary:rotary_embedding"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
 #: micro-batch forward; backward runs inside its autograd function).
 CP_ATTENTION = "ascendspeed.features.context_parallel.megatron_attention:{}_attention"
@@ -177,6 +179,42 @@ def test_reuse_fp32_param_two_processes_bit_identical(launcher, optimizer):
     losses, calls = _train(launcher, 2, [*flags, "--reuse-fp32-param"], "reuse_fp32_param", [REUSE_SPLIT])
     assert losses == reference
     assert all(n >= ITERATIONS for n in calls.values()), calls
+
+
+#: Tensor-parallel runs with and without sequence parallelism: no dropout (sequence parallelism draws the
+#: hidden-dropout masks of each rank's part of the sequence from another generator) and RoPE (Megatron-LM's
+#: JIT warm-up draws seq-length / tp random numbers with sequence parallelism, before the learned position
+#: embedding is initialised).
+TP_COMPARABLE = ["--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--transformer-impl", "local",
+                 "--attention-dropout", "0", "--hidden-dropout", "0", "--position-embedding-type", "rope"]
+
+
+def _losses(launcher, processes, flags):
+    returncode, output = _launch(launcher, processes, flags)
+    assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
+    return [float(loss) for _, loss in LOSS.findall(output)]
+
+
+def test_sequence_parallel_local_spec_matches_tensor_parallel(launcher):
+    """The command that failed before ascendspeed (megatron-core's torch norms assert "sequence parallel not
+    supported"): TP 2 with --sequence-parallel on the local spec trains, on ascendspeed's norm, with the losses
+    of TP 2 without it (Megatron's own LayerNorm)."""
+    reference = _losses(launcher, 2, TP_COMPARABLE)
+    losses, _ = _train(launcher, 2, [*TP_COMPARABLE, "--sequence-parallel"], "local_norm", [])
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher):
+    """RMSNorm and RoPE on ascendspeed's operators, with sequence parallelism, against Megatron-LM's own RMSNorm
+    and rotary embedding without it: the same losses, and the operators ran on every rank."""
+    model = ["--normalization", "RMSNorm"]
+    reference = _losses(launcher, 2, [*TP_COMPARABLE, *model])
+    flags = [*TP_COMPARABLE, *model, "--sequence-parallel", "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"]
+    losses, calls = _train(launcher, 2, flags, "local_norm, fused_rope", [RMS_NORM_OP, ROTARY_OP])
+    assert losses == pytest.approx(reference, rel=1e-5)
+    # 2 norms per layer + the final norm; rotary on q and k per layer: per micro-batch forward
+    assert {n for (_, target), n in calls.items() if target == RMS_NORM_OP} == {(2 * 2 + 1) * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
 
 
 #: Context-parallel runs against one process: no dropout (its masks differ with the sequence split) and RoPE

@@ -1,4 +1,5 @@
-"""The entry's parallel layouts train the same model: TP=2 and PP=2 with virtual stages match DP=2.
+"""The entry's parallel layouts train the same model: TP=2 (with and without sequence parallelism), PP=2 with
+virtual stages, CP=2 and the rest match DP=2.
 
 Each layout starts from the reference's initial weights (sliced and distributed as the layout needs),
 sees the same global batches, and must produce the same training and validation losses.
@@ -17,6 +18,7 @@ BASE = [
 
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
+    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2-vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
     "cp2": ["--context-parallel-size", "2"],
@@ -68,7 +70,7 @@ def _layouts_worker(rank, world_size, names):
     return results
 
 
-@pytest.mark.parametrize("names", [["tp2"], ["pp2-vpp2", "dp2-distopt-overlap"], ["cp2", "cp2-ulysses"]],
+@pytest.mark.parametrize("names", [["tp2", "tp2-sp"], ["pp2-vpp2", "dp2-distopt-overlap"], ["cp2", "cp2-ulysses"]],
                          ids="+".join)
 def test_layouts_match_the_data_parallel_reference(names):
     results = run_distributed(_layouts_worker, 2, names, timeout=240)
