@@ -19,24 +19,10 @@ import platform
 import statistics
 import sys
 
+from saved_memory import saved_bytes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-
-
-def saved_bytes(function) -> int:
-    """Bytes of the distinct storages autograd saves while ``function()`` runs."""
-    import torch
-
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        function()
-    return sum(storages.values())
 
 
 def megatron_local_attention(q, k, v):

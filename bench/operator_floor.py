@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from saved_memory import saved_bytes
+
 # At least this much is written to push the caches out before each timed phase.
 MIN_EVICTION_BYTES = 256 << 20
 WARM_UP_ROUNDS = 3
@@ -73,20 +75,6 @@ class Phases:
     # plus the first touch of each fresh output (y in forward; grad of the input in backward)
     fresh_forward: int
     fresh_backward: int
-
-
-def saved_bytes(forward: Callable[[], torch.Tensor]) -> int:
-    """Bytes autograd saves for backward in one forward: distinct storages, each counted once."""
-    storages = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward()
-    return sum(storages.values())
 
 
 def measure(

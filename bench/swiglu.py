@@ -31,6 +31,8 @@ import sys
 import time
 import warnings
 
+from saved_memory import saved_bytes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [(4096, 22016), (8, 2048, 8192)]
 QUICK_SHAPES = [(256, 2048), (2, 128, 1024)]  # --quick: a smoke run of the script itself
@@ -155,15 +157,7 @@ def memory_accounting() -> dict:
     for name, fn in impls.items():
         fn(x).backward(grad)  # compile first
         x.grad = None
-        storages = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            y = fn(x)
+        saved = saved_bytes(lambda: fn(x))
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as forward:
             y = fn(x)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as backward:
@@ -174,7 +168,7 @@ def memory_accounting() -> dict:
             return sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
 
         result[name] = {
-            "saved_over_input": sum(storages.values()) / in_bytes,
+            "saved_over_input": saved / in_bytes,
             "fwd_alloc_over_output": allocated(forward) / out_bytes,
             "bwd_alloc_over_grad_x": allocated(backward) / in_bytes,
         }
