@@ -32,7 +32,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except TrainingError as error:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank is not None and args.world_size > 1 else ""
-        print(f"{prefix}pretrain_gpt: error: {error}", file=sys.stderr, flush=True)
+        # One write with its newline: ranks share stderr, and print() writes the text and the newline
+        # apart, so another rank's line could land in between.
+        sys.stderr.write(f"{prefix}pretrain_gpt: error: {error}\n")
+        sys.stderr.flush()
         return 1
     return 0
 
