@@ -303,8 +303,7 @@ def test_device_kernels_registered():
 def test_kernels_are_vectorized_and_multi_threaded():
     kernel = torch.ops.ascendspeed._rms_norm_cpu_kernel()
     assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
-    # the same instruction set as torch's own kernels (plus native bf16 rounding where the CPU has it)
-    assert kernel.split(",")[0].removesuffix("_BF16") == torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0].removesuffix("_BF16")
+    assert kernel.split(",")[0] == torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0]
 
 
 ISA_CHECK = textwrap.dedent(
@@ -324,7 +323,7 @@ ISA_CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2", "AVX512"])
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_narrower_instruction_sets(isa):
     """The kernels built for older CPUs are correct too (torch picks them via ATEN_CPU_CAPABILITY)."""
     check_under_isa(ISA_CHECK, isa)
@@ -332,10 +331,9 @@ def test_narrower_instruction_sets(isa):
 
 def test_bf16_outputs_round_like_torch_bit_for_bit_also_when_subnormal():
     """bf16 outputs are the fp32 results rounded to nearest even as torch rounds them, bit for bit, also where
-    they are subnormal: the AVX512_BF16 rounding instruction (used where the CPU has it) flushes those to
-    zero, so blocks holding any take torch's own sequence."""
+    they are subnormal (a hardware rounding instruction such as AVX512_BF16's would flush those to zero)."""
     x = draw((64, 300), torch.bfloat16)
-    # per column from 1 down to 1e-41: normal, near FLT_MIN and subnormal outputs, mixed within blocks
+    # per column from 1 down to 1e-41: normal, near FLT_MIN and subnormal outputs, mixed within vectors
     weight = torch.logspace(0, -41, 300, dtype=torch.float64).to(torch.bfloat16)
     y, rstd = torch.ops.ascendspeed.rms_norm(x, weight, 1e-5, False)
     expected = ((x.float() * rstd.reshape(-1, 1)) * weight.float()).to(torch.bfloat16)

@@ -348,8 +348,7 @@ def test_device_kernels_registered():
 def test_kernels_are_vectorized_and_multi_threaded():
     kernel = torch.ops.ascendspeed._rotary_embedding_cpu_kernel()
     assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
-    # the same instruction set as torch's own kernels (plus native bf16 rounding where the CPU has it)
-    assert kernel.split(",")[0].removesuffix("_BF16") == torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0].removesuffix("_BF16")
+    assert kernel.split(",")[0] == torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0]
 
 
 ISA_CHECK = textwrap.dedent(
@@ -371,7 +370,7 @@ ISA_CHECK = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2", "AVX512"])
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
 def test_narrower_instruction_sets(isa):
     """The kernels built for older CPUs are correct too (torch picks them via ATEN_CPU_CAPABILITY)."""
     check_under_isa(ISA_CHECK, isa)

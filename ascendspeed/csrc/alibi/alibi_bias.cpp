@@ -26,8 +26,7 @@ constexpr int64_t kMaxExactPosition = int64_t{1} << 24;
 
 const CpuKernels& cpu_kernels() {
   static const CpuKernels& chosen =
-      cpu::widest_kernels<CpuKernels>(
-          nullptr, cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
   return chosen;
 }
 

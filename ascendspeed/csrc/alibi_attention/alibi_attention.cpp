@@ -145,8 +145,7 @@ std::tuple<at::Tensor, at::Tensor> forward_outputs(const at::Tensor& query) {
 
 const CpuKernels& cpu_kernels() {
   static const CpuKernels& chosen =
-      cpu::widest_kernels<CpuKernels>(
-          nullptr, cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
   return chosen;
 }
 

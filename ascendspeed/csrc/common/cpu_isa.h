@@ -7,7 +7,6 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #if defined(__linux__)
@@ -16,37 +15,11 @@
 
 namespace ascendspeed::cpu {
 
-// The CPU rounds floats to bf16 in hardware (AVX512_BF16); torch 2.13 has no query for it. The OS saves
-// the AVX-512 state wherever torch chose its AVX512 level, the only one that asks.
-inline bool cpu_has_avx512_bf16() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  return __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
-
-// True when ATEN_CPU_CAPABILITY names exactly torch's "avx512" level: the AVX512_BF16 kernels, a level
-// torch does not have, then stand down (tests run the plain AVX-512 kernels this way).
-inline bool avx512_requested_exactly() {
-  const char* requested = std::getenv("ATEN_CPU_CAPABILITY");
-  return requested != nullptr && (std::string(requested) == "avx512" || std::string(requested) == "AVX512");
-}
-
 // The widest of an operator's kernel tables that torch itself uses on this CPU (ATEN_CPU_CAPABILITY
-// lowers it, as for torch), AVX512_BF16 above AVX512 where the CPU has it. A table is nullptr when this
-// build (or the operator) has no kernels for that instruction set.
+// lowers it, as for torch). A table is nullptr when this build has no kernels for that instruction set.
 template <typename Kernels>
-const Kernels& widest_kernels(
-    const Kernels* avx512_bf16,
-    const Kernels* avx512,
-    const Kernels* avx2,
-    const Kernels* fallback) {
+const Kernels& widest_kernels(const Kernels* avx512, const Kernels* avx2, const Kernels* fallback) {
   const std::string isa = at::get_cpu_capability();
-  if (isa == "AVX512" && avx512_bf16 != nullptr && cpu_has_avx512_bf16() &&
-      !avx512_requested_exactly()) {
-    return *avx512_bf16;
-  }
   if (isa == "AVX512" && avx512 != nullptr) {
     return *avx512;
   }

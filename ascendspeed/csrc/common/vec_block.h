@@ -42,19 +42,6 @@ struct Block {
   }
 
   static void store(scalar_t* p, const Values& v, int64_t count = kSize) {
-#if defined(ASCENDSPEED_NATIVE_BF16)
-    // One instruction rounds 32 floats to bf16 (to nearest even, as torch's conversion), but it flushes
-    // subnormal inputs to zero: blocks holding any take torch's exact integer sequence below. NaNs stay
-    // NaNs (quiet, with their sign; torch's sequence writes 0xffff).
-    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-      constexpr int kSubnormal = 0x20;  // vfpclassps category: denormal
-      if (count == kSize &&
-          (_mm512_fpclass_ps_mask(v[0], kSubnormal) | _mm512_fpclass_ps_mask(v[1], kSubnormal)) == 0) {
-        _mm512_storeu_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v[1], v[0])));
-        return;
-      }
-    }
-#endif
     if constexpr (kReduced) {
       at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p, count);
     } else {

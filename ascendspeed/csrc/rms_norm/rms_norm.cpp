@@ -118,8 +118,8 @@ void check_backward(
 }
 
 const CpuKernels& cpu_kernels() {
-  static const CpuKernels& chosen = cpu::widest_kernels(
-      cpu_kernels_avx512_bf16(), cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+  static const CpuKernels& chosen =
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
   return chosen;
 }
 

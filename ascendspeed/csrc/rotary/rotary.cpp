@@ -83,8 +83,7 @@ void check_arguments(const char* op, const char* t_name, const at::Tensor& t, co
 
 const CpuKernels& cpu_kernels() {
   static const CpuKernels& chosen =
-      cpu::widest_kernels(
-          cpu_kernels_avx512_bf16(), cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
   return chosen;
 }
 

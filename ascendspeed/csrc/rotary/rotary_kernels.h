@@ -1,8 +1,7 @@
 // The contract between the rotary-embedding operator (rotary.cpp) and its CPU kernels.
 //
 // The kernels are compiled once per instruction set (kernels_default.cpp, kernels_avx2.cpp,
-// kernels_avx512.cpp, kernels_avx512_bf16.cpp); the operator picks the widest one that torch itself uses
-// on this CPU, AVX512_BF16 (native bf16 rounding) where the CPU has it.
+// kernels_avx512.cpp); the operator picks the widest one that torch itself uses on this CPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +24,5 @@ struct CpuKernels {
 const CpuKernels* cpu_kernels_default();
 const CpuKernels* cpu_kernels_avx2();
 const CpuKernels* cpu_kernels_avx512();
-const CpuKernels* cpu_kernels_avx512_bf16();
 
 } // namespace ascendspeed::rotary
