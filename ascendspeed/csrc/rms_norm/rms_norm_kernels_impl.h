@@ -108,35 +108,42 @@ void forward_typed(
 // once per block of rows instead of once per row.
 constexpr int kRowBlock = 4;
 
+// The operands of the backward, as row-major arrays of `cols` columns.
+template <typename scalar_t>
+struct BackwardOperands {
+  const scalar_t* grad_y;
+  const scalar_t* x;
+  const at::opmath_type<scalar_t>* rstd;
+  const at::opmath_type<scalar_t>* gamma;
+  scalar_t* grad_x;
+  int64_t cols;
+};
+
 // Rows [first, first + kRows) of one thread: grad_x, and grad_gamma summed into `partial`.
 template <int kRows, typename scalar_t>
 void backward_row_block(
-    const scalar_t* g_data,
-    const scalar_t* x_data,
-    const at::opmath_type<scalar_t>* rstd_data,
-    const at::opmath_type<scalar_t>* gamma_data,
-    scalar_t* dx_data,
+    const BackwardOperands<scalar_t>& in,
     at::opmath_type<scalar_t>* partial,
     int64_t first,
-    int64_t cols,
     bool prefetch_next) {
   using B = Block<scalar_t>;
   using opmath_t = typename B::opmath_t;
   using Vec = typename B::Vec;
+  const int64_t cols = in.cols;
   std::array<const scalar_t*, kRows> gr, xr;
   std::array<scalar_t*, kRows> dxr;
   std::array<Vec, kRows> vr, correction;
   for (int k = 0; k < kRows; ++k) {
-    gr[k] = g_data + (first + k) * cols;
-    xr[k] = x_data + (first + k) * cols;
-    dxr[k] = dx_data + (first + k) * cols;
-    const opmath_t r = rstd_data[first + k];
+    gr[k] = in.grad_y + (first + k) * cols;
+    xr[k] = in.x + (first + k) * cols;
+    dxr[k] = in.grad_x + (first + k) * cols;
+    const opmath_t r = in.rstd[first + k];
     // mean(grad_y * gamma * x)
     const opmath_t dot = row_dot(
         xr[k],
         [&](int64_t i, int64_t count) {
           auto g = B::load(gr[k] + i, count);
-          const auto w = B::load_opmath(gamma_data + i, count);
+          const auto w = B::load_opmath(in.gamma + i, count);
           for (int p = 0; p < B::kParts; ++p) {
             g[p] = g[p] * w[p];
           }
@@ -149,7 +156,7 @@ void backward_row_block(
   }
   for (int64_t i = 0; i < cols; i += B::kSize) {
     const int64_t count = std::min(B::kSize, cols - i);
-    const auto w = B::load_opmath(gamma_data + i, count);
+    const auto w = B::load_opmath(in.gamma + i, count);
     auto dw = B::load_opmath(partial + i, count);
     for (int k = 0; k < kRows; ++k) {
       if (prefetch_next) {
@@ -173,22 +180,16 @@ void backward_row_block(
 // One thread's rows [begin, end): grad_x, and grad_gamma summed into `partial` (cols opmath values).
 template <typename scalar_t>
 void backward_rows(
-    const scalar_t* g_data,
-    const scalar_t* x_data,
-    const at::opmath_type<scalar_t>* rstd_data,
-    const at::opmath_type<scalar_t>* gamma_data,
-    scalar_t* dx_data,
+    const BackwardOperands<scalar_t>& in,
     at::opmath_type<scalar_t>* partial,
     int64_t begin,
-    int64_t end,
-    int64_t cols) {
+    int64_t end) {
   int64_t row = begin;
   for (; row + kRowBlock <= end; row += kRowBlock) {
-    backward_row_block<kRowBlock>(
-        g_data, x_data, rstd_data, gamma_data, dx_data, partial, row, cols, row + 2 * kRowBlock <= end);
+    backward_row_block<kRowBlock>(in, partial, row, row + 2 * kRowBlock <= end);
   }
   for (; row < end; ++row) {
-    backward_row_block<1>(g_data, x_data, rstd_data, gamma_data, dx_data, partial, row, cols, false);
+    backward_row_block<1>(in, partial, row, false);
   }
 }
 
@@ -211,23 +212,16 @@ void backward_typed(
   std::vector<opmath_t> partials(chunks == 1 ? 0 : chunks * cols, opmath_t(0));
   std::fill(out, out + cols, opmath_t(0));
   opmath_t* partial_data = chunks == 1 ? out : partials.data();
-  const scalar_t* g_data = grad_y.const_data_ptr<scalar_t>();
-  const scalar_t* x_data = x.const_data_ptr<scalar_t>();
-  const opmath_t* rstd_data = rstd.const_data_ptr<opmath_t>();
-  const opmath_t* gamma_data = gamma.const_data_ptr<opmath_t>();
-  scalar_t* dx_data = grad_x.mutable_data_ptr<scalar_t>();
+  const BackwardOperands<scalar_t> in{
+      grad_y.const_data_ptr<scalar_t>(),
+      x.const_data_ptr<scalar_t>(),
+      rstd.const_data_ptr<opmath_t>(),
+      gamma.const_data_ptr<opmath_t>(),
+      grad_x.mutable_data_ptr<scalar_t>(),
+      cols};
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t chunk = first; chunk < last; ++chunk) {
-      backward_rows(
-          g_data,
-          x_data,
-          rstd_data,
-          gamma_data,
-          dx_data,
-          partial_data + chunk * cols,
-          rows * chunk / chunks,
-          rows * (chunk + 1) / chunks,
-          cols);
+      backward_rows(in, partial_data + chunk * cols, rows * chunk / chunks, rows * (chunk + 1) / chunks);
     }
   });
   if (chunks > 1) {
