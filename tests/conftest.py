@@ -2,6 +2,8 @@
 would do at the top of a training script."""
 import os
 
+import pytest
+
 os.environ.setdefault("ASCENDSPEED_DEVICE", "cpu")
 
 
@@ -9,3 +11,18 @@ def pytest_configure(config):
     from ascendspeed.adaptor import install
 
     install()
+
+
+def pytest_runtest_setup(item):
+    """``megatron_lm`` tests need a Megatron-LM tree (tests/helpers/megatron_lm.py): skip without one, or
+    fail where ``ASCENDSPEED_REQUIRE_MEGATRON_LM=1`` says the run must include them."""
+    if item.get_closest_marker("megatron_lm") is None:
+        return
+    from tests.helpers import megatron_lm
+
+    reason = megatron_lm.unusable_reason()
+    if reason is None:
+        return
+    if os.environ.get(megatron_lm.REQUIRE_VARIABLE) == "1":
+        pytest.fail(f"{reason} ({megatron_lm.REQUIRE_VARIABLE}=1: Megatron-LM tests must run)", pytrace=False)
+    pytest.skip(reason)

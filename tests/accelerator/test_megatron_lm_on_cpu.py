@@ -1,6 +1,6 @@
 """Megatron-LM's own ``pretrain_gpt.py`` trains on the CPU over gloo with ascendspeed imported first.
 
-Needs a Megatron-LM checkout at tag core_v0.16.1 named by ``MEGATRON_LM_PATH`` (skipped otherwise) and its
+Needs a Megatron-LM tree of the installed megatron-core's release (``tests/helpers/megatron_lm.py``) and its
 extra packages in the environment (see docs/megatron-lm-on-cpu.md). The runs follow that document's recipe:
 a launcher that imports ``ascendspeed.megatron_adaptor`` and then runs the checkout's ``pretrain_gpt.py``,
 started by torchrun, with none of the CPU flags given (the CPU defaults supply them).
@@ -15,12 +15,10 @@ import sysconfig
 import pytest
 
 import ascendspeed
-from tests.helpers.megatron_lm import add_megatron_lm_to_path
+from tests.helpers.megatron_lm import MEGATRON_LM_PATH, add_megatron_lm_to_path
+from tests.helpers.megatron_lm_jobs import run_job
 
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run these"
-)
+pytestmark = pytest.mark.megatron_lm
 
 REPOSITORY = os.path.dirname(os.path.abspath(list(ascendspeed.__path__)[0]))
 LAUNCHER = '''\
@@ -62,14 +60,19 @@ def _environment():
     }
 
 
-def _train(launcher, processes, *flags, timeout=420):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-        launcher, *TINY_GPT, *flags,
-    ]
-    done = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=timeout)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"Megatron-LM failed (exit {done.returncode}):\n{output[-6000:]}"
+def _train(launcher, processes, *flags, timeout=420, torchrun=False):
+    """Train through the test session's job server, or with ``torchrun`` through real torchrun."""
+    if torchrun:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+            launcher, *TINY_GPT, *flags,
+        ]
+        done = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=timeout)
+        returncode, output = done.returncode, done.stdout + done.stderr
+    else:
+        returncode, output = run_job(launcher, processes, [*TINY_GPT, *flags], env=_environment(),
+                                     cwd=os.getcwd(), timeout=timeout)
+    assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
     losses = {int(step): float(loss) for step, loss in LOSS.findall(output)}
     assert len(losses) == 12, f"expected a loss per iteration, got {losses}\n{output[-3000:]}"
     return [losses[step] for step in sorted(losses)]
@@ -85,7 +88,8 @@ def test_pretrain_gpt_one_process(launcher):
 
 
 def test_pretrain_gpt_two_processes_data_parallel(launcher):
-    _assert_falls(_train(launcher, 2, "--global-batch-size", "8", "--use-distributed-optimizer"))
+    """Through real torchrun: the launcher users start Megatron-LM with."""
+    _assert_falls(_train(launcher, 2, "--global-batch-size", "8", "--use-distributed-optimizer", torchrun=True))
 
 
 def test_pretrain_gpt_two_processes_interleaved_pipeline(launcher):

@@ -12,8 +12,6 @@ from ascendspeed import adaptor
 from ascendspeed.patching import MANAGER
 from tests.helpers.megatron_lm import add_megatron_lm_to_path
 
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-
 
 def test_importing_the_adaptor_twice_changes_nothing():
     before = MANAGER.report()
@@ -64,7 +62,7 @@ def test_list_entry_point_prints_the_patches():
     assert "megatron_lm" in out
 
 
-@pytest.mark.skipif(not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+@pytest.mark.megatron_lm
 def test_megatron_lm_parser_knows_ascendspeed_flags():
     add_megatron_lm_to_path()
     from megatron.training import arguments

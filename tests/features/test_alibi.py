@@ -1,6 +1,5 @@
 """--position-embedding-type alibi on real megatron-core: attention against float64, GPT, TP=2, training."""
 import argparse
-import os
 import tempfile
 
 import pytest
@@ -23,8 +22,6 @@ from ascendspeed.features.alibi import AlibiSettings, mark_config
 from ascendspeed.ops.alibi import alibi_slopes
 from ascendspeed.patching import MANAGER
 from tests.helpers.megatron_lm import add_megatron_lm_to_path
-
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +69,7 @@ def test_alibi_is_a_position_embedding_choice():
     assert args.position_embedding_type == "alibi" and args.alibi_fused_attention
 
 
-@pytest.mark.skipif(not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1)")
+@pytest.mark.megatron_lm
 def test_megatron_lm_parser_accepts_alibi():
     import sys
 

@@ -5,7 +5,6 @@ and twice-used parameters) and several optimizer steps with and without the dist
 four ranks (pipeline 2 x data 2) check pipeline and virtual-pipeline training against data parallel.
 """
 import argparse
-import os
 import sys
 
 import pytest
@@ -124,7 +123,7 @@ def test_telemetry_totals_and_log_line():
     assert len(lines) == 1 and "grad-reduce comm" in lines[0] and "exposed" in lines[0] and "hidden" in lines[0]
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="set MEGATRON_LM_PATH to a Megatron-LM checkout")
+@pytest.mark.megatron_lm
 def test_megatron_arguments_exist_in_megatron_lm():
     add_megatron_lm_to_path()
     from megatron.training import arguments

@@ -1,10 +1,17 @@
 """Run a test body on N real processes joined by a gloo process group.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh processes (spawn), initialises
-``torch.distributed`` with gloo in each, calls ``fn(rank, world_size, *args)`` and returns the list of
-per-rank return values (which must be picklable: move tensors to CPU). An exception in any rank fails
-the caller with that rank's traceback, and the other ranks (likely blocked in a collective waiting for
-the failed one) are stopped a few seconds later instead of hanging until the timeout.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises ``torch.distributed``
+with gloo in each, calls ``fn(rank, world_size, *args)`` and returns the list of per-rank return values
+(which must be picklable: move tensors to CPU). An exception in any rank fails the caller with that rank's
+traceback, and the other ranks (likely blocked in a collective waiting for the failed one) are stopped a
+few seconds later instead of hanging until the timeout.
+
+Ranks are forked from a forkserver that has already imported torch, megatron-core and ascendspeed with the
+adaptor installed (``tests.helpers.forkserver_preload``): a fresh interpreter spends ~6 s of CPU on those
+imports, paid once per test session instead of once per rank of every job. A forked rank is as fresh as a
+spawned one otherwise (nothing ran in the server but imports), and it takes the caller's environment as of
+the call. ``fresh_interpreter=True`` spawns a new interpreter instead, for a body that depends on what a
+module read from the environment at import.
 
 Ranks meet through a file store in a private temporary directory, not a TCP port: a port picked free by
 the parent can be taken by a concurrently running test before rank 0 binds it, which made ranks retry
@@ -17,6 +24,8 @@ import socket
 import tempfile
 import time
 import traceback
+
+import multiprocessing
 
 import torch
 import torch.distributed as dist
@@ -33,7 +42,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_dir):
+#: What the forkserver imports before it forks ranks (a module whose import installs the adaptor first).
+FORKSERVER_PRELOAD = ["tests.helpers.forkserver_preload"]
+
+
+def _worker(rank, world_size, port, fn, args, result_dir, environment):
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -73,15 +88,17 @@ def _first_error(result_dir, world_size, succeeded):
     return None
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, fresh_interpreter: bool = False):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank results."""
+    if not fresh_interpreter:
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as result_dir:
         context = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), fn, args, result_dir),
+            args=(world_size, _free_port(), fn, args, result_dir, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="spawn" if fresh_interpreter else "forkserver",
         )
         deadline = time.monotonic() + timeout
         failed_at, error, succeeded = None, None, set()

@@ -1,7 +1,7 @@
 """ascendspeed's features inside Megatron-LM's own ``pretrain_gpt.py`` on the CPU, end to end.
 
-Needs a Megatron-LM checkout at tag core_v0.16.1 named by ``MEGATRON_LM_PATH`` (skipped otherwise) and its
-training packages in the environment (docs/megatron-lm-on-cpu.md). Runs follow that document's recipe with
+Needs a Megatron-LM tree of the installed megatron-core's release (``tests/helpers/megatron_lm.py`` says where
+it comes from) and its training packages in the environment (docs/megatron-lm-on-cpu.md). Runs follow that document's recipe with
 the installed megatron-core wheel: the launcher imports ``ascendspeed.megatron_adaptor`` and appends the
 checkout to ``sys.path`` (after site-packages), so ``megatron.training`` comes from the checkout and
 ``megatron.core`` from the wheel, whose dataset helpers Megatron-LM would otherwise try to ``make``.
@@ -12,17 +12,14 @@ and the feature's own code ran: the launcher counts calls of functions only the 
 import argparse
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from tests.helpers.megatron_lm import add_megatron_lm_to_path
+from tests.helpers.megatron_lm import MEGATRON_LM_PATH, add_megatron_lm_to_path
+from tests.helpers.megatron_lm_jobs import run_job
 
-MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_PATH, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (tag core_v0.16.1) to run these"
-)
+pytestmark = pytest.mark.megatron_lm
 
 #: Functions only an enabled feature reaches, counted by the launcher (``COUNT_CALLS``).
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
@@ -105,11 +102,8 @@ def _launch(launcher, processes, flags, count=(), timeout=300):
         "COUNT_CALLS": ",".join(count),
     }
     environment.pop("MAKEFLAGS", None)  # nothing to make: the wheel ships the helpers
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-               launcher, *TINY_GPT, *flags]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(launcher))
-    return done.returncode, done.stdout + done.stderr
+    return run_job(launcher, processes, [*TINY_GPT, *flags], env=environment, cwd=os.path.dirname(launcher),
+                   timeout=timeout)
 
 
 def _checked_run(launcher, processes, flags, feature, count):
