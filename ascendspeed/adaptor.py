@@ -98,7 +98,8 @@ def every_patch() -> list[dict]:
     parser = build_list_parser()
     for feature in all_features():
         args = parser.parse_args(list(feature.example_flags))
-        groups.append((feature.name, feature.patches(feature.settings(args))))
+        settings = feature.settings(args)
+        groups.append((feature.name, feature.patches(settings, feature.new_state(settings))))
     return [patch_row(name, patch) for name, patches in groups for patch in patches]
 
 

@@ -85,7 +85,6 @@ def worker(options) -> None:
     import torch.distributed as dist
 
     from ascendspeed.features import apply_features
-    from ascendspeed.features.async_ddp import TELEMETRY
     from ascendspeed.training.arguments import parse_args
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.trainer import Trainer
@@ -95,8 +94,9 @@ def worker(options) -> None:
         "off": parse_args(flags, world_size=2),
         "on": parse_args(flags + ["--overlap-grad-reduce"], world_size=2),
     }
-    apply_features(settings["on"])  # one set of patches serves both models; DDP configs differ
-    TELEMETRY.log = None
+    applied = apply_features(settings["on"])  # one set of patches serves both models; DDP configs differ
+    (telemetry,) = [feature.state for feature in applied if feature.name == "async_ddp"]
+    telemetry.log = None
     state = initialize_parallel(settings["on"])
     trainers = {name: Trainer(args, state.device) for name, args in settings.items()}
     steps = {name: [] for name in trainers}
@@ -107,7 +107,7 @@ def worker(options) -> None:
             start = time.perf_counter()
             trainers[name].train_step()
             end = time.perf_counter()
-            record = TELEMETRY.records()[-1]
+            record = telemetry.records()[-1]
             if step >= options.warmup:
                 steps[name].append({
                     "step_time": end - start,

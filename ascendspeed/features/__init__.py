@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
-from ascendspeed.features.base import Feature, FeatureArgumentError
+from ascendspeed.features.base import Feature, FeatureArgumentError, FeatureTelemetry
 from ascendspeed.features.registry import FEATURE_MODULES
 from ascendspeed.patching import MANAGER, PatchManager
 
@@ -37,12 +38,41 @@ def enabled_settings(args: argparse.Namespace) -> list[tuple[Feature, object]]:
     return [(feature, feature.settings(args)) for feature in validate_features(args)]
 
 
-def apply_features(args: argparse.Namespace, manager: PatchManager = MANAGER) -> list[str]:
-    """Validate, then apply the patches of every enabled feature. Returns the enabled feature names."""
-    enabled = enabled_settings(args)
-    for feature, settings in enabled:
-        manager.apply(feature.name, feature.patches(settings))
-    return [feature.name for feature, _ in enabled]
+@dataclasses.dataclass(frozen=True)
+class AppliedFeature:
+    """A feature as ``apply_features`` switched it on: its settings and the state its patches are bound to."""
+
+    feature: Feature
+    settings: Any
+    state: Any
+
+    @property
+    def name(self) -> str:
+        return self.feature.name
+
+    def telemetry(self) -> Optional[FeatureTelemetry]:
+        return self.feature.telemetry(self.state)
+
+
+#: What the latest ``apply_features`` switched on (``applied_features()``); features revert by name.
+_APPLIED: list[AppliedFeature] = []
+
+
+def apply_features(args: argparse.Namespace, manager: PatchManager = MANAGER) -> list[AppliedFeature]:
+    """Validate, then apply the patches of every enabled feature, each bound to a new state. Returns the
+    enabled features (``.name``, ``.telemetry()``), in registry order."""
+    applied = []
+    for feature, settings in enabled_settings(args):
+        state = feature.new_state(settings)
+        manager.apply(feature.name, feature.patches(settings, state))
+        applied.append(AppliedFeature(feature, settings, state))
+    _APPLIED[:] = applied
+    return applied
+
+
+def applied_features() -> list[AppliedFeature]:
+    """The features the latest ``apply_features`` (or ``enable_features``) switched on in this process."""
+    return list(_APPLIED)
 
 
 def configure_transformer_config(config, args: argparse.Namespace):
@@ -89,10 +119,13 @@ def disable_features(names: Optional[Iterable[str]] = None, manager: PatchManage
 
 
 __all__ = [
+    "AppliedFeature",
     "Feature",
     "FeatureArgumentError",
+    "FeatureTelemetry",
     "add_feature_arguments",
     "all_features",
+    "applied_features",
     "apply_features",
     "configure_transformer_config",
     "default_arguments",

@@ -9,7 +9,10 @@ The flow is the same for every feature and every entry (Megatron-LM, the pretrai
     args --validate--> args --settings--> Settings (a frozen dataclass) --patches--> [Patch, ...]
 
 so everything a patch does is decided by one typed settings object, bound into the patch where it is
-made: hot code never reads global arguments.
+made: hot code never reads global arguments. What an application of a feature keeps while it runs
+(recorders, process groups it built) is its *state*: ``new_state(settings)`` makes it once per application,
+``patches(settings, state)`` binds it, and ``telemetry(state)`` hands the entry what to report from it, so
+no feature keeps module globals and no entry imports a feature's internals.
 """
 from __future__ import annotations
 
@@ -47,6 +50,30 @@ def defaults_of(rules: Sequence[Unsupported]) -> dict[str, Any]:
     return {rule.dest: rule.default for rule in rules}
 
 
+class FeatureTelemetry:
+    """What an entry reports for a feature while it trains: the pretraining entry calls ``step_started`` /
+    ``step_finished`` around every training step, ``close_interval`` at every logging interval (its dict goes
+    into that interval's progress entry under ``key``) and ``close_run`` at the end (into
+    ``TrainResult.telemetry[key]``). Both closes are collectives: every rank calls them."""
+
+    #: Name of the feature's entry in the progress entries and in ``TrainResult.telemetry``.
+    key: ClassVar[str] = ""
+
+    def step_started(self) -> None:
+        """A training step begins (what ran since, e.g. validation, is not the step's)."""
+
+    def step_finished(self) -> None:
+        """The training step ended."""
+
+    def close_interval(self, iteration: int) -> Optional[dict]:
+        """The logging interval ending at ``iteration``, over all ranks (it may print a line on rank 0)."""
+        return None
+
+    def close_run(self) -> Any:
+        """The run's totals over all ranks (any picklable value; None: nothing to report)."""
+        return None
+
+
 class Feature(Generic[SettingsT]):
     """Base class of a feature. Subclasses override what they need."""
 
@@ -77,9 +104,17 @@ class Feature(Generic[SettingsT]):
         """The typed settings the enabled feature runs with (pure: reads ``args``, changes nothing)."""
         return None
 
-    def patches(self, settings: SettingsT) -> Sequence[Patch]:
-        """The patches that switch the feature on, configured by ``settings``."""
+    def new_state(self, settings: SettingsT) -> Any:
+        """The state one application of the feature owns (None: it keeps none)."""
+        return None
+
+    def patches(self, settings: SettingsT, state: Any = None) -> Sequence[Patch]:
+        """The patches that switch the feature on, configured by ``settings`` and bound to ``state``."""
         return ()
+
+    def telemetry(self, state: Any) -> Optional[FeatureTelemetry]:
+        """What an entry reports for the application that owns ``state``, or None."""
+        return None
 
     def configure_transformer_config(self, config, settings: SettingsT) -> None:
         """Carry settings into a ``TransformerConfig`` built by an entry that knows the flags."""

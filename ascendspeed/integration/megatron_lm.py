@@ -63,7 +63,7 @@ def _wrap_validate_args(original):
         enabled = apply_features(args)
         if getattr(args, "rank", 0) == 0:
             # One line in the training log saying which features this run really has switched on.
-            print(f"> ascendspeed features: {', '.join(enabled) or 'none'}", flush=True)
+            print(f"> ascendspeed features: {', '.join(f.name for f in enabled) or 'none'}", flush=True)
         return result
 
     return validate_args

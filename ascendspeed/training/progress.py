@@ -7,10 +7,7 @@ import sys
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
-
-from ascendspeed.features.context_parallel.telemetry import RingOverlap, RingTelemetry
 
 
 def print_rank_0(message: str) -> None:
@@ -89,51 +86,3 @@ class ProgressLog:
         self.interval_losses = []
         self.interval_skipped = 0
         return stats
-
-
-class RingOverlapLog:
-    """``--log-cp-ring-overlap`` in the entry: how much of the context-parallel ring's communication the
-    block computation hid, per logging interval and over the run, summed over every rank of the job.
-
-    Only training steps count (``step_started`` drops what validation's forward passes recorded). Closing
-    an interval is a collective (a sum over ranks), so every rank calls ``close_interval`` and ``close_run``.
-    """
-
-    def __init__(self, telemetry: RingTelemetry, device: torch.device):
-        self.telemetry = telemetry
-        self.device = device
-        self.interval = RingOverlap()
-        self.total = RingOverlap()
-
-    def step_started(self) -> None:
-        self.telemetry.reset()
-
-    def step_finished(self) -> None:
-        self.interval = self.interval + self.telemetry.take()
-
-    def _over_ranks(self, overlap: RingOverlap) -> RingOverlap:
-        fields = [overlap.hops, overlap.sent_bytes, overlap.compute_s, overlap.communication_s, overlap.exposed_s]
-        packed = torch.tensor(fields, dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(packed)
-        hops, sent_bytes, compute_s, communication_s, exposed_s = packed.tolist()
-        return RingOverlap(int(hops), int(sent_bytes), compute_s, communication_s, exposed_s)
-
-    def close_interval(self, iteration: int) -> dict:
-        """The interval's totals over all ranks, printed as one ``[cp-ring]`` line on rank 0."""
-        local, self.interval = self.interval, RingOverlap()
-        self.total = self.total + local
-        interval = self._over_ranks(local)
-        print_rank_0(f"[cp-ring] iteration {iteration} | {self.format(interval)}")
-        return interval.summary()
-
-    def close_run(self) -> RingOverlap:
-        """The run's totals over all ranks (the intervals not closed yet included)."""
-        self.total, self.interval = self.total + self.interval, RingOverlap()
-        return self._over_ranks(self.total)
-
-    @staticmethod
-    def format(overlap: RingOverlap) -> str:
-        return (f"hops {overlap.hops} | sent {overlap.sent_bytes / 2**20:.1f} MiB | "
-                f"ring comm {overlap.communication_s * 1e3:.2f} ms | exposed {overlap.exposed_s * 1e3:.2f} ms | "
-                f"hidden {overlap.hidden_fraction * 100:.1f} %")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import math
 import time
 from typing import Optional
@@ -16,11 +17,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_batch_on_this_cp_rank
 
-from ascendspeed.features import all_features, apply_features
-from ascendspeed.features.context_parallel import megatron_attention
-from ascendspeed.features.context_parallel.layout import split_for_rank
-from ascendspeed.features.context_parallel.telemetry import RingOverlap
+from ascendspeed.features import AppliedFeature, all_features, apply_features
 from ascendspeed.training import checkpointing, memory
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
@@ -42,7 +41,7 @@ from ascendspeed.training.model import (
     build_scheduler,
     local_parameter_count,
 )
-from ascendspeed.training.progress import ProgressLog, RingOverlapLog, format_duration, perplexity, print_rank_0
+from ascendspeed.training.progress import ProgressLog, format_duration, perplexity, print_rank_0
 
 
 @dataclasses.dataclass
@@ -63,8 +62,9 @@ class EvalResult:
 class TrainResult:
     """What a run did. ``losses[i]`` is the training loss of iteration ``start_iteration + i + 1``.
 
-    ``cp_ring_overlap``: with ``--log-cp-ring-overlap``, the context-parallel ring's communication over the
-    run's training steps, summed over all ranks (``progress`` entries carry each interval's as ``cp_ring``).
+    ``telemetry``: what the enabled features report over the run's training steps, summed over all ranks,
+    by their telemetry's key (e.g. ``cp_ring`` with ``--log-cp-ring-overlap``); ``progress`` entries carry
+    each interval's under the same key.
     """
 
     start_iteration: int
@@ -81,7 +81,7 @@ class TrainResult:
     checkpoint: Optional[str] = None
     memory_account: Optional[memory.MemoryAccount] = None
     peak_resident_bytes: int = 0
-    cp_ring_overlap: Optional[RingOverlap] = None
+    telemetry: dict = dataclasses.field(default_factory=dict)
 
 
 def _mean_over_last_stage(values: list[torch.Tensor], device: torch.device) -> float:
@@ -103,25 +103,23 @@ def _loss_func(output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _on_this_context_parallel_rank(batch: Batch) -> dict:
-    """This rank's chunks of every sequence (the balanced causal split megatron-core's
-    ``get_batch_on_this_cp_rank`` makes; its signature changed in 0.19): along the sequence for tokens,
-    labels and positions, along the queries for the attention mask."""
-    fields = dict(vars(batch))
-    cp_size = parallel_state.get_context_parallel_world_size()
-    if cp_size == 1:
-        return fields
-    rank = parallel_state.get_context_parallel_rank()
-    for name, value in fields.items():
-        if torch.is_tensor(value):
-            fields[name] = split_for_rank(value, 2 if name == "attention_mask" else 1, rank, cp_size)
-    return fields
+def batch_on_this_context_parallel_rank(batch: dict) -> dict:
+    """This rank's chunks of every sequence, by megatron-core's ``get_batch_on_this_cp_rank`` (the balanced
+    causal split Megatron-LM's ``get_batch`` makes): along the sequence for tokens, labels and positions,
+    along the queries for the attention mask. Since 0.19 it takes the group (and splits over the whole world
+    without one)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    if "cp_group" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch)
 
 
 def _forward_step(data_iterator, model):
     """Each context-parallel rank takes its chunks of the sequence; the schedule scales the loss by the
     context-parallel size and DDP averages over data x context parallel ranks, as in Megatron-LM."""
-    batch = _on_this_context_parallel_rank(next(data_iterator))
+    batch = batch_on_this_context_parallel_rank(dict(vars(next(data_iterator))))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, _loss_func
 
@@ -346,23 +344,24 @@ class Trainer:
                      f"perplexity {result.perplexity:.2f}")
         return result.loss
 
-    def run(self, features: list[str]) -> TrainResult:
+    def run(self, features: list[AppliedFeature]) -> TrainResult:
         args = self.args
         start = self.iteration
         num_parameters = self.num_parameters()
-        self._print_header(num_parameters, features)
+        names = [feature.name for feature in features]
+        self._print_header(num_parameters, names)
         validation = [(start, self.periodic_validation())]
         log = ProgressLog(args.train_iters, start, self.tokens_per_iteration)
-        ring = RingOverlapLog(megatron_attention.TELEMETRY, self.device) if args.log_cp_ring_overlap else None
+        reports = [report for report in (feature.telemetry() for feature in features) if report is not None]
         losses, learning_rates, progress = [], [], []
         checkpoint = None
         while self.iteration < args.train_iters:
             learning_rates.append(self.learning_rate())
-            if ring is not None:
-                ring.step_started()
+            for report in reports:
+                report.step_started()
             loss, grad_norm, updated = self.train_step()
-            if ring is not None:
-                ring.step_finished()
+            for report in reports:
+                report.step_finished()
             if args.check_for_nan_in_loss_and_grad:
                 self._stop_if_diverged(loss, grad_norm if updated else None)
             if self.memory is None:  # torch allocates the optimizer state in the first step
@@ -374,8 +373,8 @@ class Trainer:
             if self.iteration % args.log_interval == 0 or done:
                 loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None
                 progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale))
-                if ring is not None:
-                    progress[-1]["cp_ring"] = ring.close_interval(self.iteration)
+                for report in reports:
+                    progress[-1][report.key] = report.close_interval(self.iteration)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and not done:
                 validation.append((self.iteration, self.periodic_validation()))
             if args.save and (done or (args.save_interval and self.iteration % args.save_interval == 0)):
@@ -385,10 +384,7 @@ class Trainer:
             validation.append((self.iteration, self.periodic_validation()))
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
-        ring_overlap = ring.close_run() if ring is not None else None
-        if ring_overlap is not None:
-            print_rank_0(f"context-parallel ring over the run's training steps, all {args.world_size} ranks: "
-                         f"{RingOverlapLog.format(ring_overlap)}")
+        telemetry = {report.key: report.close_run() for report in reports}
         print_rank_0(memory.peak_line())
         trained = self.iteration - start
         return TrainResult(
@@ -402,11 +398,11 @@ class Trainer:
             elapsed=elapsed,
             tokens_per_second=trained * self.tokens_per_iteration / elapsed if trained else 0.0,
             num_parameters=num_parameters,
-            features=features,
+            features=names,
             checkpoint=checkpoint,
             memory_account=self.memory,
             peak_resident_bytes=memory.peak_resident_bytes(),
-            cp_ring_overlap=ring_overlap,
+            telemetry=telemetry,
         )
 
     def _print_header(self, num_parameters: int, features: list[str]) -> None:

@@ -12,7 +12,7 @@ job and the tests below read its results:
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import call, run_distributed, run_distributed_cases
 
 TOLERANCE = 1e-6  # relative error, fp32
 STEPS = 3
@@ -163,13 +163,19 @@ def world_size_one():
 
 
 @pytest.fixture(scope="module")
-def data_parallel():
-    return run_distributed(_data_parallel, 2)
+def two_ranks():
+    """The data- and model-parallel runs in one 2-rank job."""
+    return run_distributed_cases(call, 2, [(_data_parallel,), (_model_parallel,)])
 
 
 @pytest.fixture(scope="module")
-def model_parallel():
-    return run_distributed(_model_parallel, 2)
+def data_parallel(two_ranks):
+    return two_ranks[0]
+
+
+@pytest.fixture(scope="module")
+def model_parallel(two_ranks):
+    return two_ranks[1]
 
 
 def _relative(actual, expected):

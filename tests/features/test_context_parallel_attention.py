@@ -5,6 +5,8 @@ runs the algorithm on its balanced share and compares its share of the output an
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from ascendspeed.features.context_parallel.hybrid import build_hybrid_groups, hy
 from ascendspeed.features.context_parallel.ring import plan_block, ring_attention
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 from ascendspeed.ops.alibi import alibi_slopes
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import run_distributed, run_distributed_cases
 
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
 TOLERANCE = 1e-10
@@ -99,12 +101,19 @@ def _attention_errors(rank, world_size, algorithm, ulysses_degree):
     return errors
 
 
-@pytest.mark.parametrize(
-    "algorithm, world_size, ulysses_degree",
-    [("ring", 2, 1), ("ring", 4, 1), ("ulysses", 2, 2), ("ulysses", 4, 4), ("hybrid", 2, 2), ("hybrid", 4, 2)],
-)
+ALGORITHMS = [("ring", 2, 1), ("ring", 4, 1), ("ulysses", 2, 2), ("ulysses", 4, 4), ("hybrid", 2, 2), ("hybrid", 4, 2)]
+
+
+@functools.cache
+def _attention_errors_at(world_size: int) -> dict:
+    """Every algorithm of one world size in one job: {(algorithm, ulysses degree): per-rank errors}."""
+    cases = [(algorithm, degree) for algorithm, size, degree in ALGORITHMS if size == world_size]
+    return dict(zip(cases, run_distributed_cases(_attention_errors, world_size, cases)))
+
+
+@pytest.mark.parametrize("algorithm, world_size, ulysses_degree", ALGORITHMS)
 def test_matches_single_process_attention(algorithm, world_size, ulysses_degree):
-    per_rank = run_distributed(_attention_errors, world_size, algorithm, ulysses_degree)
+    per_rank = _attention_errors_at(world_size)[(algorithm, ulysses_degree)]
     for rank, errors in enumerate(per_rank):
         assert set(errors) == set(CASES)
         for case, error in errors.items():

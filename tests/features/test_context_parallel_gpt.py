@@ -50,19 +50,15 @@ def _loss_and_gradients(model, batch, group):
 
 
 def get_batch_on_this_cp_rank(batch):
-    """megatron-core's balanced split of a batch for this context-parallel rank (0.19 added a required
-    ``is_hybrid_cp`` argument, and without a ``cp_group`` splits over the whole world)."""
-    import inspect
+    """megatron-core's balanced split of a batch for this context-parallel rank, as the entry makes it."""
+    from ascendspeed.training.trainer import batch_on_this_context_parallel_rank
 
-    from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank as split
-
-    if "is_hybrid_cp" in inspect.signature(split).parameters:
-        return split(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
-    return split(batch)
+    return batch_on_this_context_parallel_rank(batch)
 
 
-def _compare(rank, world_size, algorithm, ulysses_degree, tp):
+def _compare(rank, world_size, cases):
+    """Every variant's single-process reference once, then each case's (algorithm, Ulysses degree, tp)
+    context-parallel run from the same weights: {(case, variant): (loss error, {name: gradient error})}."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -73,61 +69,85 @@ def _compare(rank, world_size, algorithm, ulysses_degree, tp):
     )
 
     shape = TinyGPT(seq_length=16)
-    cp = world_size // tp
     results = {}
     for position_type, mask_type, query_groups in VARIANTS:
+        variant = (position_type, mask_type, query_groups)
         gqa = dict(num_query_groups=query_groups) if query_groups else {}
-        settings = dict(context_parallel_size=cp, context_parallel_algo=algorithm,
-                        cp_attention_mask_type=mask_type)
-        if ulysses_degree:
-            settings["ulysses_degree_in_cp"] = ulysses_degree
-        if position_type == "alibi":
-            settings["position_embedding_type"] = "alibi"
-        enable_features(**settings)
         batch = make_batch(shape, seed=3)
         if mask_type == "general":
             batch["attention_mask"] = _document_mask(shape.seq_length)
-
+        if position_type == "alibi":
+            enable_features(position_embedding_type="alibi")
         initialize_parallel()
         reference = build_gpt_model(shape.config(**gqa), shape, position_embedding_type=position_type)
         full = full_parameters(reference)
         expected_loss, expected = _loss_and_gradients(reference, dict(batch), group=None)
         destroy_parallel()
-
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-        torch.manual_seed(SEED)
-        model_parallel_cuda_manual_seed(SEED)
-        config = shape.config(context_parallel_size=cp, **gqa)
-        model = build_gpt_model(config, shape, position_embedding_type=position_type)
-        load_full_parameters([model], full)
-        local = get_batch_on_this_cp_rank(dict(batch))
-        assert local["tokens"].shape[1] == shape.seq_length // cp
-        loss, grads = _loss_and_gradients(model, local, parallel_state.get_context_parallel_group())
-        errors = {
-            name: relative_error(grads[name], shard_like(expected[name], param, name, config))
-            for name, param in named_parameters_full([model])
-        }
-        destroy_parallel()
         disable_features()
-
-        assert set(errors) == {name for name, _ in reference.named_parameters()}
-        results[(position_type, mask_type, query_groups)] = (relative_error(loss, expected_loss), errors)
+        for case in cases:
+            algorithm, ulysses_degree, tp = case
+            cp = world_size // tp
+            settings = dict(context_parallel_size=cp, context_parallel_algo=algorithm,
+                            cp_attention_mask_type=mask_type)
+            if ulysses_degree:
+                settings["ulysses_degree_in_cp"] = ulysses_degree
+            if position_type == "alibi":
+                settings["position_embedding_type"] = "alibi"
+            enable_features(**settings)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+            torch.manual_seed(SEED)
+            model_parallel_cuda_manual_seed(SEED)
+            config = shape.config(context_parallel_size=cp, **gqa)
+            model = build_gpt_model(config, shape, position_embedding_type=position_type)
+            load_full_parameters([model], full)
+            local = get_batch_on_this_cp_rank(dict(batch))
+            assert local["tokens"].shape[1] == shape.seq_length // cp
+            loss, grads = _loss_and_gradients(model, local, parallel_state.get_context_parallel_group())
+            errors = {
+                name: relative_error(grads[name], shard_like(expected[name], param, name, config))
+                for name, param in named_parameters_full([model])
+            }
+            destroy_parallel()
+            disable_features()
+            assert set(errors) == {name for name, _ in reference.named_parameters()}
+            results[(case, variant)] = (relative_error(loss, expected_loss), errors)
     return results
 
 
-@pytest.mark.parametrize("algorithm, world_size, ulysses_degree, tp", [
-    ("megatron_cp_algo", 2, None, 1),
-    ("ulysses_cp_algo", 2, None, 1),
-    ("hybrid_cp_algo", 2, 2, 1),
-    ("hybrid_cp_algo", 4, 2, 1),
-    ("megatron_cp_algo", 4, None, 2),
-])
-def test_gpt_context_parallel_matches_single_process(algorithm, world_size, ulysses_degree, tp):
-    """cp = world_size / tp; the last two cases: a real hybrid (2 Ulysses pairs in a ring of 2), TP 2 x CP 2."""
-    per_rank = run_distributed(_compare, world_size, algorithm, ulysses_degree, tp, timeout=900)
+#: (algorithm, --ulysses-degree-in-cp, tp) by world size; cp = world size / tp. At 4 ranks: a real hybrid
+#: (2 Ulysses pairs in a ring of 2) and TP 2 x CP 2.
+CASES = {
+    2: [("megatron_cp_algo", None, 1), ("ulysses_cp_algo", None, 1), ("hybrid_cp_algo", 2, 1)],
+    4: [("hybrid_cp_algo", 2, 1), ("megatron_cp_algo", None, 2)],
+}
+
+
+def _two_rank_job(rank, world_size):
+    """Every 2-rank case of this module in one job: the comparisons and the training run."""
+    return {"compare": _compare(rank, world_size, CASES[2]), "train": _train_losses(rank, world_size, True, True)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_two_rank_job, 2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_distributed(_compare, 4, CASES[4], timeout=900)
+
+
+@pytest.mark.parametrize("world_size, case", [(size, case) for size, cases in CASES.items() for case in cases],
+                         ids=lambda value: value if isinstance(value, int) else "-".join(map(str, value)))
+def test_gpt_context_parallel_matches_single_process(request, world_size, case):
+    if world_size == 2:
+        per_rank = [results["compare"] for results in request.getfixturevalue("two_rank_results")]
+    else:
+        per_rank = request.getfixturevalue("four_rank_results")
     for rank, results in enumerate(per_rank):
-        assert set(results) == set(VARIANTS)
-        for variant, (loss_error, grad_errors) in results.items():
+        assert {variant for (done, variant) in results if done == case} == set(VARIANTS)
+        for variant in VARIANTS:
+            loss_error, grad_errors = results[(case, variant)]
             assert loss_error < RELATIVE_TOLERANCE, f"rank {rank} {variant}: loss error {loss_error:.2e}"
             worst = max(grad_errors, key=grad_errors.get)
             assert grad_errors[worst] < RELATIVE_TOLERANCE, (
@@ -212,9 +232,9 @@ def _train_losses(rank, world_size, use_distributed_optimizer, overlap_grad_redu
     return expected, losses
 
 
-@pytest.mark.parametrize("use_distributed_optimizer, overlap_grad_reduce", [(True, True)])
-def test_twenty_training_steps_match_data_parallel(use_distributed_optimizer, overlap_grad_reduce):
-    for expected, losses in run_distributed(_train_losses, 2, use_distributed_optimizer, overlap_grad_reduce,
-                                            timeout=900):
+def test_twenty_training_steps_match_data_parallel(two_rank_results):
+    """Ring CP 2 under megatron DDP with the distributed optimizer and overlapped reduction."""
+    for results in two_rank_results:
+        expected, losses = results["train"]
         assert expected[-1] < expected[0]
         assert losses == pytest.approx(expected, rel=1e-4)

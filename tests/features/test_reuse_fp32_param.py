@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.distributed import run_distributed
+from tests.helpers.distributed import call, run_distributed_cases
 
 from ascendspeed.features import FeatureArgumentError
 from ascendspeed.features.reuse_fp32_param import FEATURE
@@ -181,12 +181,26 @@ def test_validation_accepts_bf16_and_the_entry_registers_the_flag():
         parse_args(["--reuse-fp32-param"], world_size=1, device="cpu")
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["float16-optimizer", "distributed-optimizer"])
-def test_fifty_steps_bit_identical_to_megatron(distributed_optimizer):
+STEPS = 50
+OPTIMIZERS = {"float16-optimizer": [], "distributed-optimizer": ["--use-distributed-optimizer"]}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every 2-rank run of this module in one job: 50 steps with each optimizer, checkpoints with each."""
     from tests.helpers.reuse_fp32_param import exactness_worker
 
-    steps = 50
-    for report in run_distributed(exactness_worker, 2, distributed_optimizer, steps, timeout=900):
+    directory = tmp_path_factory.mktemp("reuse_fp32_param")
+    cases = [(exactness_worker, bool(extra), STEPS) for extra in OPTIMIZERS.values()]
+    cases += [(_checkpoint_worker, str(directory / name), extra) for name, extra in OPTIMIZERS.items()]
+    per_case = run_distributed_cases(call, 2, cases, timeout=1800)
+    return {"exactness": dict(zip(OPTIMIZERS, per_case[:2])), "checkpoints": dict(zip(OPTIMIZERS, per_case[2:]))}
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_fifty_steps_bit_identical_to_megatron(two_rank_runs, optimizer):
+    steps = STEPS
+    for report in two_rank_runs["exactness"][optimizer]:
         reference, reused = report["losses"]
         assert reused == reference, "losses bit-identical"
         assert report["main"] == [0] * steps, "fp32 main weights bit-identical after every step"
@@ -227,10 +241,10 @@ def _checkpoint_worker(rank, world_size, directory, extra):
     }
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer"]], ids=["float16-optimizer", "distributed-optimizer"])
-def test_checkpoints_resume_the_same_trajectory_across_the_flag(tmp_path, extra):
-    results = run_distributed(_checkpoint_worker, 2, str(tmp_path), extra, timeout=900)
-    for result in results:
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_checkpoints_resume_the_same_trajectory_across_the_flag(two_rank_runs, optimizer):
+    extra = OPTIMIZERS[optimizer]
+    for result in two_rank_runs["checkpoints"][optimizer]:
         assert result["reused"] == result["plain"]
         assert result["first_half"] == result["plain"][:4]
         for key in ("resumed with -> with", "resumed with -> without", "resumed without -> with"):

@@ -11,13 +11,19 @@ def setup_ascendspeed(**settings):
     """Install the adaptor and switch async DDP on in this (spawned) process."""
     import ascendspeed.megatron_adaptor  # noqa: F401
     from ascendspeed.features import disable_features, enable_features
-    from ascendspeed.features.async_ddp import TELEMETRY
 
     disable_features(["async_ddp"])
     args = enable_features(**settings)
-    TELEMETRY.log = None
-    TELEMETRY.history.clear()
+    if recorder() is not None:
+        recorder().log = None
     return args
+
+
+def recorder():
+    """The collective recorder of the applied async DDP feature (``--log-grad-reduce-overlap``), or None."""
+    from ascendspeed.features import applied_features
+
+    return next((applied.state for applied in applied_features() if applied.name == "async_ddp"), None)
 
 
 def initialize_parallel(tp=1, pp=1, vpp=None):
@@ -163,18 +169,17 @@ def two_rank_checks(rank, world_size, gradient_configs, training_configs):
 
 
 def telemetry_summary():
-    from ascendspeed.features.async_ddp import TELEMETRY
-
-    TELEMETRY.end_iteration()
+    telemetry = recorder()
+    telemetry.end_iteration()
     out = [
         {
             "compute_end": r.compute_end,
             "buckets": [(b.label, b.kind, b.ready, b.start, b.end) for b in r.buckets],
             "summary": r.summary(),
         }
-        for r in TELEMETRY.records()
+        for r in telemetry.records()
     ]
-    TELEMETRY.history.clear()
+    telemetry.history.clear()
     return out
 
 

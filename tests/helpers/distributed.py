@@ -119,3 +119,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, fresh_in
     if errors:
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     return [o["value"] for o in outcomes]
+
+
+def _each_case(rank, world_size, fn, cases):
+    return [fn(rank, world_size, *case) for case in cases]
+
+
+def run_distributed_cases(fn, world_size: int, cases, timeout: float = 300.0) -> list:
+    """One job for many cases: ``fn(rank, world_size, *case)`` for every case, one after the other on the same
+    ``world_size`` ranks. Returns, per case in order, the list of per-rank results. Starting ranks and their
+    process group costs more than most cases; a failing case fails the job, naming its rank's traceback."""
+    cases = [tuple(case) for case in cases]
+    per_rank = run_distributed(_each_case, world_size, fn, cases, timeout=timeout)
+    return [[results[index] for results in per_rank] for index in range(len(cases))]
+
+
+def call(rank, world_size, fn, *args):
+    """A case of ``run_distributed_cases(call, ...)`` that names its own body: ``(fn, *args)``."""
+    return fn(rank, world_size, *args)
+

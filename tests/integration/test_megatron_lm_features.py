@@ -66,9 +66,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
     print(f"\\ncalls rank={os.environ.get('RANK', '0')} {target} {CALLS[target]}", flush=True)
 if "--log-cp-ring-overlap" in sys.argv:
-    from ascendspeed.features.context_parallel.megatron_attention import TELEMETRY
+    from ascendspeed.features import applied_features
 
-    summary = TELEMETRY.summary()
+    (context_parallel,) = [applied for applied in applied_features() if applied.name == "context_parallel"]
+    summary = context_parallel.state.ring.summary()
     print(f"\\ncp ring rank={os.environ.get('RANK', '0')} hops={summary['hops']} "
           f"hidden={summary['hidden_fraction']:.4f}", flush=True)
 '''

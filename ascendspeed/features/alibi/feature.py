@@ -80,5 +80,5 @@ class AlibiFeature(Feature[AlibiSettings]):
     def configure_transformer_config(self, config, settings: AlibiSettings) -> None:
         attention.mark_config(config, settings)
 
-    def patches(self, settings: AlibiSettings):
+    def patches(self, settings: AlibiSettings, state=None):
         return attention.patches(settings)

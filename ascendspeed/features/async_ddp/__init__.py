@@ -9,8 +9,7 @@ schedules), ``gloo`` (reduce-scatter on gloo); ``state`` holds the settings and 
 """
 from ascendspeed.features.async_ddp.feature import AsyncDDPFeature
 from ascendspeed.features.async_ddp.state import AsyncDDPSettings
-from ascendspeed.features.async_ddp.telemetry import TELEMETRY
 
 FEATURE = AsyncDDPFeature()
 
-__all__ = ["FEATURE", "AsyncDDPFeature", "AsyncDDPSettings", "TELEMETRY"]
+__all__ = ["FEATURE", "AsyncDDPFeature", "AsyncDDPSettings"]

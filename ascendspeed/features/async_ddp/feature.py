@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Optional
 
 from ascendspeed.features.async_ddp import bucket_groups, ddp, gloo, schedules
 from ascendspeed.features.async_ddp.state import AsyncDDPSettings
-from ascendspeed.features.async_ddp.telemetry import TELEMETRY
+from ascendspeed.features.async_ddp.telemetry import GradReduceReport, Telemetry, log_on_first_data_parallel_rank
 from ascendspeed.features.base import Feature, FeatureArgumentError
 
 
@@ -54,13 +56,20 @@ class AsyncDDPFeature(Feature[AsyncDDPSettings]):
     def settings(self, args: argparse.Namespace) -> AsyncDDPSettings:
         all_stages = (bool(getattr(args, "overlap_grad_reduce_all_stages", True))
                       and not getattr(args, "overlap_param_gather_with_optimizer_step", False))
-        return AsyncDDPSettings(
-            all_stages=all_stages,
-            telemetry=TELEMETRY if getattr(args, "log_grad_reduce_overlap", False) else None,
-        )
+        return AsyncDDPSettings(all_stages=all_stages, log_overlap=bool(getattr(args, "log_grad_reduce_overlap", False)))
 
-    def patches(self, settings: AsyncDDPSettings):
-        found = ddp.patches(settings) + bucket_groups.patches(settings) + gloo.patches()
-        if settings.all_stages or settings.telemetry is not None:
-            found += schedules.patches(settings)
+    def new_state(self, settings: AsyncDDPSettings) -> Optional[Telemetry]:
+        """The application's collective recorder (printing a line per iteration), or None."""
+        return Telemetry(log=log_on_first_data_parallel_rank) if settings.log_overlap else None
+
+    def patches(self, settings: AsyncDDPSettings, state: Optional[Telemetry] = None):
+        if settings.log_overlap and state is None:
+            state = self.new_state(settings)
+        bound = dataclasses.replace(settings, telemetry=state)
+        found = ddp.patches(bound) + bucket_groups.patches(bound) + gloo.patches()
+        if bound.all_stages or bound.telemetry is not None:
+            found += schedules.patches(bound)
         return found
+
+    def telemetry(self, state: Optional[Telemetry]) -> Optional[GradReduceReport]:
+        return GradReduceReport(state) if state is not None else None

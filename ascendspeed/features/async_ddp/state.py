@@ -22,11 +22,14 @@ class AsyncDDPSettings:
 
     ``all_stages``: every pipeline stage and virtual-pipeline chunk keeps its buckets and launches each
     from the gradient hooks as it fills (megatron-core buckets only the first stage's first chunk).
-    ``telemetry``: the recorder that times every bucket collective, or None.
+    ``log_overlap``: time every bucket collective (``--log-grad-reduce-overlap``).
+    ``telemetry``: the recorder of the application the patches are bound to (the feature's state, set when
+    it binds them; None without ``log_overlap``). Not part of the settings' identity.
     """
 
     all_stages: bool = True
-    telemetry: Optional[Telemetry] = None
+    log_overlap: bool = False
+    telemetry: Optional[Telemetry] = dataclasses.field(default=None, compare=False)
 
 
 class OverlapState:

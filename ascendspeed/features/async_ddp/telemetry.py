@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ascendspeed.features.base import FeatureTelemetry
+
 
 def merged_intervals(intervals):
     """Union of ``(start, end)`` intervals as a sorted list of disjoint intervals."""
@@ -257,5 +259,39 @@ def log_on_first_data_parallel_rank(line: str) -> None:
     print(line, flush=True)
 
 
-#: The process-wide recorder the patches use when ``--log-grad-reduce-overlap`` is on.
-TELEMETRY = Telemetry(log=log_on_first_data_parallel_rank)
+class GradReduceReport(FeatureTelemetry):
+    """``--log-grad-reduce-overlap`` in the pretraining entry: this rank's gradient-reduction time, exposed
+    time and hidden fraction over each logging interval and the run (the recorder prints every iteration)."""
+
+    key = "grad_reduce"
+
+    def __init__(self, telemetry: Telemetry):
+        self.telemetry = telemetry
+        self.interval: list[IterationRecord] = []
+        self.run: list[IterationRecord] = []
+        self._last_index = None
+
+    def step_finished(self) -> None:
+        """Take the iterations the recorder closed during the step (its history is bounded)."""
+        fresh = [record for record in self.telemetry.records()
+                 if self._last_index is None or record.index > self._last_index]
+        if fresh:
+            self._last_index = fresh[-1].index
+        self.interval += fresh
+
+    def close_interval(self, iteration: int) -> dict:
+        interval, self.interval = self.interval, []
+        self.run += interval
+        return summarize(interval)
+
+    def close_run(self) -> dict:
+        self.run, self.interval = self.run + self.interval, []
+        return summarize(self.run)
+
+
+def summarize(records: list) -> dict:
+    """Totals of iteration records: seconds of communication and of it exposed, the part hidden."""
+    comm = sum(record.comm_time for record in records)
+    exposed = sum(record.exposed_time for record in records)
+    return {"iterations": len(records), "comm_s": comm, "exposed_s": exposed,
+            "hidden_fraction": max(0.0, 1.0 - exposed / comm) if comm > 0 else 0.0}

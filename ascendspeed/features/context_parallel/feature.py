@@ -6,9 +6,11 @@ Flags keep the Ascend ecosystem's names so users' scripts carry over: ``--contex
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from ascendspeed.features.base import Feature, FeatureArgumentError, Unsupported, defaults_of, refuse_unsupported
 from ascendspeed.features.context_parallel import megatron_attention
+from ascendspeed.features.context_parallel.telemetry import RingOverlapReport, RingTelemetry
 from ascendspeed.features.context_parallel.settings import (
     ALGORITHMS,
     HYBRID,
@@ -69,7 +71,7 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
         group.add_argument(
             "--log-cp-ring-overlap", action="store_true",
             help="Time every ring hop (a watcher thread per hop) to report how much of the ring's communication "
-            "the block computation hid (ascendspeed.features.context_parallel.megatron_attention.TELEMETRY).",
+            "the block computation hid (in the pretraining entry: a line per logging interval and a run total).",
         )
 
     def is_enabled(self, args: argparse.Namespace) -> bool:
@@ -177,8 +179,14 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
             telemetry=bool(getattr(args, "log_cp_ring_overlap", False)),
         )
 
-    def patches(self, settings: ContextParallelSettings):
-        return megatron_attention.patches(settings)
+    def new_state(self, settings: ContextParallelSettings) -> megatron_attention.ContextParallelState:
+        return megatron_attention.ContextParallelState(ring=RingTelemetry() if settings.telemetry else None)
+
+    def patches(self, settings: ContextParallelSettings, state=None):
+        return megatron_attention.patches(settings, state if state is not None else self.new_state(settings))
+
+    def telemetry(self, state) -> Optional[RingOverlapReport]:
+        return RingOverlapReport(state.ring) if state is not None and state.ring is not None else None
 
     def configure_transformer_config(self, config, settings) -> None:
         """Nothing to carry: the patches hold the settings, Megatron's config holds the size."""

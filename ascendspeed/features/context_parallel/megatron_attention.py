@@ -10,6 +10,7 @@ blockwise attention under context parallelism.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Optional
 
@@ -23,28 +24,29 @@ from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
 from ascendspeed.patching import Patch, replace, wrap
 
-#: Ring telemetry of this process with ``--log-cp-ring-overlap`` (every layer adds to it); reset it to
-#: measure a window, read ``TELEMETRY.summary()``.
-TELEMETRY = RingTelemetry()
+@dataclasses.dataclass
+class ContextParallelState:
+    """What one application of the feature keeps: the ring telemetry every layer adds to (with
+    ``--log-cp-ring-overlap``; reset it to measure a window, read ``ring.summary()``), and the hybrid
+    algorithm's Ulysses and ring groups, created once per (context-parallel ranks, Ulysses degree)."""
 
-_HYBRID_GROUPS: dict[tuple[tuple[int, ...], int], HybridGroups] = {}
+    ring: Optional[RingTelemetry] = None
+    hybrid_cache: dict[tuple[tuple[int, ...], int], HybridGroups] = dataclasses.field(default_factory=dict)
 
+    def hybrid_groups(self, cp_group, ulysses_degree: int) -> HybridGroups:
+        """This rank's Ulysses and ring groups inside ``cp_group``."""
+        import torch.distributed as dist
 
-def hybrid_groups(cp_group, ulysses_degree: int) -> HybridGroups:
-    """This rank's Ulysses and ring groups inside ``cp_group``, created once per (cp ranks, degree)."""
-    import torch.distributed as dist
-
-    cp_ranks = tuple(dist.get_process_group_ranks(cp_group))
-    key = (cp_ranks, ulysses_degree)
-    if key not in _HYBRID_GROUPS:
-        _HYBRID_GROUPS[key] = build_hybrid_groups(cp_ranks, ulysses_degree)
-    return _HYBRID_GROUPS[key]
+        key = (tuple(dist.get_process_group_ranks(cp_group)), ulysses_degree)
+        if key not in self.hybrid_cache:
+            self.hybrid_cache[key] = build_hybrid_groups(key[0], ulysses_degree)
+        return self.hybrid_cache[key]
 
 
 class ContextParallelAttention:
     """The core attention of one layer over its context-parallel group (see the package docstring)."""
 
-    def __init__(self, settings: ContextParallelSettings, cp_group, causal_layer: bool):
+    def __init__(self, settings: ContextParallelSettings, state: ContextParallelState, cp_group, causal_layer: bool):
         self.settings = settings
         self.group = cp_group
         self.size = cp_group.size()
@@ -55,8 +57,8 @@ class ContextParallelAttention:
                 "--cp-attention-mask-type causal masks by position, but this attention layer's mask type is "
                 "not causal: use --cp-attention-mask-type general to apply the layer's attention_mask"
             )
-        self.hybrid = hybrid_groups(cp_group, settings.ulysses_degree) if settings.algorithm == HYBRID else None
-        self.telemetry = TELEMETRY if settings.telemetry else None
+        self.hybrid = state.hybrid_groups(cp_group, settings.ulysses_degree) if settings.algorithm == HYBRID else None
+        self.telemetry = state.ring
 
     def mask_rows(self, attention_mask: Optional[torch.Tensor], positions, seq_length: int):
         """This rank's rows of Megatron's boolean ``attention_mask`` (given whole, already split by rows, or
@@ -120,7 +122,7 @@ def _cp_group(pg_collection):
     return group if group is not None else parallel_state.get_context_parallel_group()
 
 
-def wrap_attention_init(settings: ContextParallelSettings):
+def wrap_attention_init(settings: ContextParallelSettings, state: ContextParallelState):
     """``DotProductAttention.__init__`` under context parallelism: build it as a one-rank layer (Megatron's
     assertion), keep the real config, attach the ``ContextParallelAttention``."""
 
@@ -140,7 +142,7 @@ def wrap_attention_init(settings: ContextParallelSettings):
                 raise ValueError("context-parallel attention supports neither --softmax-type other than vanilla "
                                  "nor --window-size")
             self.context_parallel = ContextParallelAttention(
-                settings, _cp_group(pg_collection), causal_layer="causal" in attn_mask_type.name
+                settings, state, _cp_group(pg_collection), causal_layer="causal" in attn_mask_type.name
             )
 
         return __init__
@@ -173,10 +175,10 @@ def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> to
     return layout.split_for_rank(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
 
 
-def patches(settings: ContextParallelSettings) -> list[Patch]:
+def patches(settings: ContextParallelSettings, state: ContextParallelState) -> list[Patch]:
     return [
         wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
-             wrap_attention_init(settings),
+             wrap_attention_init(settings, state),
              expect="(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, "
                     "softmax_scale=None, cp_comm_type=None, pg_collection=None)",
              name="context parallel: local attention accepts a context-parallel group and holds the algorithm"),

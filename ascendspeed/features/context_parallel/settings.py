@@ -15,7 +15,7 @@ class ContextParallelSettings:
     """``algorithm``: one of ``ALGORITHMS``; ``ulysses_degree``: Ulysses group size of the hybrid algorithm;
     ``mask_type``: ``causal`` (mask from positions, Megatron's ``attention_mask`` ignored) or ``general``
     (Megatron's ``attention_mask`` rows are applied, columns indexed by absolute key position);
-    ``telemetry``: ring hops are timed into ``megatron_attention.TELEMETRY``."""
+    ``telemetry``: ring hops are timed into the application's ``ContextParallelState.ring``."""
 
     algorithm: str = RING
     ulysses_degree: int = 1

@@ -12,6 +12,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import torch
+import torch.distributed as dist
+
+from ascendspeed.features.base import FeatureTelemetry
+
 
 def covered_seconds(intervals) -> float:
     """Seconds covered by the union of ``(start, end)`` intervals."""
@@ -43,6 +48,11 @@ class RingOverlap:
     def __add__(self, other: "RingOverlap") -> "RingOverlap":
         return RingOverlap(*(getattr(self, field.name) + getattr(other, field.name)
                              for field in dataclasses.fields(self)))
+
+    def format(self) -> str:
+        return (f"hops {self.hops} | sent {self.sent_bytes / 2**20:.1f} MiB | "
+                f"ring comm {self.communication_s * 1e3:.2f} ms | exposed {self.exposed_s * 1e3:.2f} ms | "
+                f"hidden {self.hidden_fraction * 100:.1f} %")
 
     def summary(self) -> dict:
         return {
@@ -97,3 +107,57 @@ class RingTelemetry:
             self.compute_s = self.exposed_s = 0.0
             self.sent_bytes = 0
             self.hops = []
+
+
+class RingOverlapReport(FeatureTelemetry):
+    """``--log-cp-ring-overlap`` in the pretraining entry: how much of the ring's communication the block
+    computation hid, per logging interval and over the run, summed over every rank of the job.
+
+    Only training steps count (``step_started`` drops what validation's forward passes recorded). Closing
+    an interval is a collective (a sum over ranks), so every rank calls ``close_interval`` and ``close_run``.
+    """
+
+    key = "cp_ring"
+
+    def __init__(self, telemetry: RingTelemetry):
+        self.telemetry = telemetry
+        self.interval = RingOverlap()
+        self.total = RingOverlap()
+
+    def step_started(self) -> None:
+        self.telemetry.reset()
+
+    def step_finished(self) -> None:
+        self.interval = self.interval + self.telemetry.take()
+
+    def close_interval(self, iteration: int) -> dict:
+        """The interval's totals over all ranks, printed as one ``[cp-ring]`` line on rank 0."""
+        local, self.interval = self.interval, RingOverlap()
+        self.total = self.total + local
+        interval = _over_ranks(local)
+        _print_on_rank_0(f"[cp-ring] iteration {iteration} | {interval.format()}")
+        return interval.summary()
+
+    def close_run(self) -> RingOverlap:
+        """The run's totals over all ranks (the intervals not closed yet included), printed on rank 0."""
+        self.total, self.interval = self.total + self.interval, RingOverlap()
+        total = _over_ranks(self.total)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        _print_on_rank_0(f"context-parallel ring over the run's training steps, all {world} ranks: {total.format()}")
+        return total
+
+
+def _over_ranks(overlap: RingOverlap) -> RingOverlap:
+    from ascendspeed.accelerator import current_device
+
+    fields = [overlap.hops, overlap.sent_bytes, overlap.compute_s, overlap.communication_s, overlap.exposed_s]
+    packed = torch.tensor(fields, dtype=torch.float64, device=current_device())
+    if dist.is_initialized():
+        dist.all_reduce(packed)
+    hops, sent_bytes, compute_s, communication_s, exposed_s = packed.tolist()
+    return RingOverlap(int(hops), int(sent_bytes), compute_s, communication_s, exposed_s)
+
+
+def _print_on_rank_0(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)

@@ -41,7 +41,7 @@ class FusedRopeFeature(Feature[FusedRopeSettings]):
     def settings(self, args: argparse.Namespace) -> FusedRopeSettings:
         return FusedRopeSettings()
 
-    def patches(self, settings: FusedRopeSettings):
+    def patches(self, settings: FusedRopeSettings, state=None):
         from ascendspeed.features.fused_rope import rope
 
         return rope.patches(settings)

@@ -54,7 +54,7 @@ class FusedSwigluFeature(Feature[FusedSwigluSettings]):
     def settings(self, args: argparse.Namespace) -> FusedSwigluSettings:
         return FusedSwigluSettings()
 
-    def patches(self, settings: FusedSwigluSettings):
+    def patches(self, settings: FusedSwigluSettings, state=None):
         from ascendspeed.features.fused_swiglu import mlp  # loads the C++ operator only when enabled
 
         return mlp.patches()

@@ -48,7 +48,7 @@ class LocalNormFeature(Feature[LocalNormSettings]):
     def settings(self, args: argparse.Namespace) -> LocalNormSettings:
         return LocalNormSettings(fused_rmsnorm=bool(getattr(args, "use_fused_rmsnorm", False)))
 
-    def patches(self, settings: LocalNormSettings):
+    def patches(self, settings: LocalNormSettings, state=None):
         from ascendspeed.features.local_norm import norm
 
         return norm.patches(settings)

@@ -84,7 +84,7 @@ class ReuseFp32ParamFeature(Feature[ReuseFp32ParamSettings]):
     def settings(self, args: argparse.Namespace) -> ReuseFp32ParamSettings:
         return ReuseFp32ParamSettings(distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)))
 
-    def patches(self, settings: ReuseFp32ParamSettings):
+    def patches(self, settings: ReuseFp32ParamSettings, state=None):
         from ascendspeed.features.reuse_fp32_param import distributed_optimizer, float16_optimizer
 
         patches = float16_optimizer.patches()
