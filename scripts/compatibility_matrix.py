@@ -7,10 +7,10 @@
 For each release it builds (or reuses: ``scripts/bootstrap.sh`` is quick when nothing changed) one virtual
 environment ``<venvs>/mcore-<major.minor>``, with Python 3.12 for megatron-core 0.17 and newer (which
 require it) and Python 3.11 for older releases, runs ``pytest tests`` there and records what each test
-did. ``--megatron-lm DIR`` (or ``MEGATRON_LM_TREES``) names a folder holding Megatron-LM checkouts named
-after their tags (``core_v0.16.1``, ``core_v0.19.0``, ...): the release's own tag, or else the newest tag
-of its minor release, becomes ``MEGATRON_LM_PATH`` so the Megatron-LM tests run too (they are skipped
-without one). The table counts passed / failed (failures and errors) / skipped tests per feature.
+did. ``--megatron-lm DIR`` (or ``MEGATRON_LM_TREES``; default ``../shared/megatron-lm``) names a folder
+holding Megatron-LM trees named after their tags (``core_v0.16.1``, ``core_v0.19.0``, ...): the release's
+own tag, or else the newest tag of its minor release, becomes ``MEGATRON_LM_PATH`` so the Megatron-LM tests
+run too (required: with a tree a skipped Megatron-LM test fails; without one they skip). The table counts passed / failed (failures and errors) / skipped tests per feature.
 Exit status: 0 when no test failed anywhere.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import re
 import subprocess
 import sys
 import time
@@ -26,10 +25,10 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.helpers.megatron_lm import REQUIRE_VARIABLE, SHARED_TREES, tree_for_release  # noqa: E402
 #: The newest patch release of each supported minor release.
 RELEASES = ("0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2")
-#: Packages Megatron-LM's training code imports beyond megatron-core's own requirements.
-MEGATRON_LM_PACKAGES = ("pyyaml", "pydantic", "six", "regex", "pybind11")
 
 #: Table columns: a feature and the test modules (dotted, from the repository root) that exercise it.
 #: A test module listed nowhere is counted under its directory's name.
@@ -60,18 +59,8 @@ def python_version_for(release: str) -> str:
 
 
 def megatron_lm_tree(trees: Path | None, release: str) -> Path | None:
-    """The checkout of the release's tag, else of the newest tag of its minor release, or None."""
-    if trees is None or not trees.is_dir():
-        return None
-    exact = trees / f"core_v{release}"
-    if exact.is_dir():
-        return exact
-    major_minor = ".".join(release.split(".")[:2])
-    pattern = re.compile(rf"^core_v{re.escape(major_minor)}\.(\d+)$")
-    candidates = sorted(
-        (int(match.group(1)), path) for path in trees.iterdir() if (match := pattern.match(path.name))
-    )
-    return candidates[-1][1] if candidates else None
+    """The tree of the release's tag, else of the newest tag of its minor release, or None."""
+    return tree_for_release(trees, release) if trees is not None else None
 
 
 def feature_of(classname: str) -> str:
@@ -117,8 +106,8 @@ def test_release(release: str, venvs: Path, trees: Path | None, results: Path, p
     test_environment = dict(os.environ)
     test_environment.pop("MEGATRON_LM_PATH", None)
     if tree is not None:
-        run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *MEGATRON_LM_PACKAGES])
         test_environment["MEGATRON_LM_PATH"] = str(tree)
+        test_environment[REQUIRE_VARIABLE] = "1"
         record["megatron_lm"] = tree.name
     junit = results / f"junit-{release}.xml"
     started = time.monotonic()
@@ -187,8 +176,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--releases", nargs="+", default=list(RELEASES), help="megatron-core versions to test")
     parser.add_argument("--venvs", type=Path, default=ROOT / ".venvs", help="where the environments live")
-    parser.add_argument("--megatron-lm", type=Path, default=os.environ.get("MEGATRON_LM_TREES"),
-                        help="folder of Megatron-LM checkouts named core_v<version>")
+    parser.add_argument("--megatron-lm", type=Path, default=os.environ.get("MEGATRON_LM_TREES", SHARED_TREES),
+                        help="folder of Megatron-LM trees named core_v<version> (default: ../shared/megatron-lm)")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "compatibility.md")
     parser.add_argument("--no-setup", dest="setup", action="store_false",
                         help="use the environments under --venvs as they are (ascendspeed importable there, e.g. "

@@ -12,6 +12,8 @@ import torch
 
 from tests.helpers.distributed import run_distributed
 
+pytestmark = pytest.mark.slow  # a 2-rank and a 4-rank job of several minutes each on 2 cores
+
 RELATIVE_TOLERANCE = 1e-5
 #: (position embedding, --cp-attention-mask-type, query groups)
 VARIANTS = [

@@ -197,6 +197,7 @@ def two_rank_runs(tmp_path_factory):
     return {"exactness": dict(zip(OPTIMIZERS, per_case[:2])), "checkpoints": dict(zip(OPTIMIZERS, per_case[2:]))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_fifty_steps_bit_identical_to_megatron(two_rank_runs, optimizer):
     steps = STEPS
@@ -241,6 +242,7 @@ def _checkpoint_worker(rank, world_size, directory, extra):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_checkpoints_resume_the_same_trajectory_across_the_flag(two_rank_runs, optimizer):
     extra = OPTIMIZERS[optimizer]

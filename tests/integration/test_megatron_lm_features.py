@@ -74,11 +74,14 @@ if "--log-cp-ring-overlap" in sys.argv:
           f"hidden={summary['hidden_fraction']:.4f}", flush=True)
 '''
 ITERATIONS = 12
+#: megatron-core 0.15's mock dataset draws token ids up to 4095 whatever the tokenizer's vocabulary (an
+#: embedding lookup out of range with a smaller one); later releases stay below the vocabulary size.
+MOCK_VOCAB = 4096
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--train-iters", str(ITERATIONS), "--lr", "2e-3", "--lr-decay-style", "constant",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(MOCK_VOCAB),
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+)")
@@ -229,8 +232,8 @@ def one_process_losses(launcher):
 @pytest.mark.parametrize("processes, flags, algorithm", [
     (2, ["--context-parallel-size", "2", "--log-cp-ring-overlap"], "ring"),
     (2, ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"], "ulysses"),
-    (4, ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
-     "hybrid"),
+    pytest.param(4, ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
+                     "--ulysses-degree-in-cp", "2"], "hybrid", marks=pytest.mark.slow),
 ], ids=["ring-cp2", "ulysses-cp2", "hybrid-cp4"])
 def test_context_parallel_matches_one_process(launcher, one_process_losses, processes, flags, algorithm):
     """Megatron-LM's own get_batch splits the batch, its schedule and DDP average the loss and gradients over

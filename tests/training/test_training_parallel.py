@@ -91,6 +91,7 @@ def test_layouts_match_the_data_parallel_reference(name):
         assert validation == pytest.approx(reference_validation, rel=2e-5), name  # and parameter count
 
 
+@pytest.mark.slow
 def test_pipeline_and_context_parallel_match_the_data_parallel_reference():
     """4 ranks: PP 2 x CP 2 (hybrid) against DP 4. Validation at twice the length is left out: DP 4 deals the
     held-out windows in multiples of 4, so it evaluates fewer of them than a single replica does."""
