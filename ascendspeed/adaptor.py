@@ -49,14 +49,11 @@ def uninstall(manager: PatchManager = MANAGER) -> None:
     accelerator.uninstall(manager)
 
 
-#: Megatron-LM's choices of ``--position-embedding-type``; features may add their own (``alibi``).
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "mrope", "relative", "none")
-
-
 def build_list_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m ascendspeed.megatron_adaptor``: every feature flag, and the Megatron-LM
     flags features read, so a training command line's feature flags can be pasted after ``--list``."""
     from ascendspeed.features import add_feature_arguments, default_arguments
+    from ascendspeed.integration.megatron_lm import POSITION_EMBEDDING_TYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m ascendspeed.megatron_adaptor",

@@ -35,12 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from harness import PhaseTimes, load_average, machine, timed
 
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch loads OpenMP: idle threads use no CPU time
 
@@ -148,12 +149,10 @@ class Bench:
         """Accumulate the time spent in the in-place operator itself (robust to machine noise)."""
         add_bias = alibi.add_bias_
 
-        def timed(scores):
-            start = time.perf_counter()
-            add_bias(scores)
-            self.operator_ms.append((time.perf_counter() - start) * 1e3)
+        def timed_add_bias(scores):
+            self.operator_ms.append(timed(add_bias, scores)[1] * 1e3)
 
-        alibi.add_bias_ = timed
+        alibi.add_bias_ = timed_add_bias
 
     def step(self, variant):
         """A closure running one forward + backward of ``variant``."""
@@ -223,15 +222,13 @@ def time_variants(args, seq, dtype_name):
     for variant in variants:
         bench.step(variant)()
     bench.operator_ms.clear()
-    wall = {variant: [] for variant in variants}
-    cpu = {variant: [] for variant in variants}
+    wall, cpu = PhaseTimes(), PhaseTimes(clock=time.process_time)
     for _ in range(args.repeats):
         for variant in variants:
-            start, start_cpu = time.perf_counter(), time.process_time()
-            bench.step(variant)()
-            cpu[variant].append((time.process_time() - start_cpu) * 1e3)
-            wall[variant].append((time.perf_counter() - start) * 1e3)
-    medians = {variant: (statistics.median(wall[variant]), statistics.median(cpu[variant])) for variant in variants}
+            with wall(variant), cpu(variant):
+                bench.step(variant)()
+    wall_s, cpu_s = wall.medians(), cpu.medians()
+    medians = {variant: (wall_s[variant] * 1e3, cpu_s[variant] * 1e3) for variant in variants}
     return bench, medians, statistics.median(bench.operator_ms)
 
 
@@ -267,25 +264,6 @@ def measure_memory(args, variant, seq, dtype_name) -> float:
     return float(out.strip().splitlines()[-1])
 
 
-def machine() -> dict:
-    """The CPU this ran on: model, vector flags, torch's CPU capability, threads and load."""
-    import torch
-
-    model, flags = platform.processor(), []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = value.split()
-                break
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return {"cpu_model": model, "cpu_vector_flags": vector, "logical_cpus": os.cpu_count(),
-            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(), "load_average_1min": os.getloadavg()[0]}
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.memory_of:
@@ -294,7 +272,7 @@ def main(argv=None):
     import torch
 
     b, h, d = args.batch, args.heads, args.head_dim
-    host = machine()
+    host = machine(torch)
     print(f"{host['cpu_model']}, {host['threads']} threads, torch {host['torch_cpu_capability']}; "
           f"attention forward+backward, b{b} h{h} d{d}, causal, {args.repeats} steps per variant")
     configs = []
@@ -325,7 +303,7 @@ def main(argv=None):
                     print(f"  {variant:<22}extra MiB vs none {results[variant]['extra_mib_vs_none']:>9.1f}")
             configs.append({"seq": seq, "dtype": dtype_name, "local_heads": bench.local_heads, "results": results})
             del bench
-    host["load_average_1min_end"] = os.getloadavg()[0]
+    host["load_average_1min_end"] = load_average()
     if args.output:
         with open(args.output, "w") as handle:
             json.dump({"machine": host, "shape": {"batch": b, "heads": h, "head_dim": d}, "repeats": args.repeats,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 
+from harness import cpu, timed
 from saved_memory import saved_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,6 @@ def _attention(algorithm, group, positions, cp_group_ranks=None, hybrid=None):
 
 
 def _worker(rank, world_size, settings):
-    import time
-
     import torch
     import torch.distributed as dist
 
@@ -85,9 +83,7 @@ def _worker(rank, world_size, settings):
     for repetition in range(settings["reps"] + 1):
         telemetry = RingTelemetry()
         dist.barrier()
-        start = time.perf_counter()
-        attention(q, k, v, telemetry).sum().backward()
-        elapsed = time.perf_counter() - start
+        _, elapsed = timed(lambda: attention(q, k, v, telemetry).sum().backward())
         if repetition:  # the first run warms up
             runs.append({**telemetry.summary(), "step_s": elapsed})
     overlap = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
@@ -121,20 +117,8 @@ def longest_fitting(per_seq: dict, budget: int, cp: int, quadratic: bool) -> int
 
 
 def cpu_description() -> dict:
-    info = {"model": platform.processor() or "unknown", "flags": ""}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    info["model"] = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    info["flags"] = " ".join(f for f in line.split(":", 1)[1].split()
-                                             if f.startswith(("avx", "fma", "sse4", "amx")))
-                    break
-    except OSError:
-        pass
-    info["cores"] = os.cpu_count()
-    return info
+    host = cpu()
+    return {"model": host.model, "flags": " ".join(host.vector_flags), "cores": host.logical_cpus}
 
 
 def main(argv=None):

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
 import sys
-import time
+
+from harness import load_average, machine, timed
 
 MEGATRON_DEFAULTS = ["--position-embedding-type", "learned_absolute", "--no-swiglu", "--no-overlap-grad-reduce"]
 CONFIGS = {
@@ -70,32 +70,16 @@ def run_job(args, extra_flags) -> list[float]:
     return reports[1:]
 
 
-def machine() -> dict:
-    model, flags = "unknown", []
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = value.split()
-                break
-    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    return {"cpu_model": model, "cpu_vector_flags": vector, "logical_cpus": os.cpu_count(),
-            "load_average_1min": os.getloadavg()[0]}
-
-
 def main(argv=None):
     args = parse_args(argv)
     host = machine()
     runs = {name: [] for name in CONFIGS}
     for round_index in range(args.rounds):
         for name, flags in CONFIGS.items():
-            start = time.perf_counter()
-            reports = run_job(args, flags)
+            reports, seconds = timed(run_job, args, flags)
             runs[name].append(statistics.median(reports))
             print(f"round {round_index + 1}/{args.rounds} {name:<18}{runs[name][-1]:>10,.0f} tokens/s "
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+                  f"({seconds:.0f} s)", flush=True)
     medians = {name: statistics.median(values) for name, values in runs.items()}
     print(f"{host['cpu_model']}, {args.nproc} ranks, {args.train_iters} iterations, median of {args.rounds} rounds")
     results = {}
@@ -104,7 +88,7 @@ def main(argv=None):
         results[name] = {"flags": " ".join(CONFIGS[name]), "tokens_per_s": round(value), "per_round": runs[name],
                          f"vs_{BASELINE}": round(ratio, 3)}
         print(f"  {name:<18}{value:>10,.0f} tokens/s  {ratio:.3f}x {BASELINE}")
-    host["load_average_1min_end"] = os.getloadavg()[0]
+    host["load_average_1min_end"] = load_average()
     if args.output:
         with open(args.output, "w") as handle:
             json.dump({"machine": host, "nproc": args.nproc, "train_iters": args.train_iters, "rounds": args.rounds,

@@ -1,5 +1,5 @@
-"""Timing a fused operator against eager baselines and the memory-bandwidth floor (bench/rms_norm.py,
-bench/rotary.py).
+"""Timing a fused operator against eager baselines and the memory-bandwidth floor, and the command line
+of such a benchmark (bench/rms_norm.py, bench/rotary.py).
 
 A round times, for every implementation in turn, a copy of a tensor of the input's size into a
 preallocated buffer, then the implementation's forward and its backward under autograd. Every one of
@@ -19,8 +19,8 @@ step against the copy timed just before it.
 """
 from __future__ import annotations
 
-import os
-import platform
+import argparse
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -28,32 +28,13 @@ from typing import Callable
 
 import torch
 
+from allocator import rerun_with_warm_allocator, warm_allocator_active
+from harness import cpu, last_level_cache_bytes, load_average, timed
 from saved_memory import saved_bytes
 
 # At least this much is written to push the caches out before each timed phase.
 MIN_EVICTION_BYTES = 256 << 20
 WARM_UP_ROUNDS = 3
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache this machine reports (sysfs), 0 when it reports none."""
-    largest = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            with open(os.path.join(base, entry, "size")) as size_file:
-                text = size_file.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text[:-1] if text[-1:] in "KMG" else text
-        if digits.isdigit():
-            largest = max(largest, int(digits) * scale)
-    return largest
 
 
 class CacheEvictor:
@@ -95,28 +76,20 @@ def measure(
         for leaf in leaves:
             leaf.grad = None
         evict()
-        start = time.perf_counter()
-        out = forward()
-        middle = time.perf_counter()
+        out, fwd = timed(forward)
         evict()
-        resumed = time.perf_counter()
-        out.backward(grad)
-        end = time.perf_counter()
+        _, bwd = timed(out.backward, grad)
         for leaf in leaves:
             leaf.grad = None
-        return middle - start, end - resumed
+        return fwd, bwd
 
     def copy():
         evict()
-        start = time.perf_counter()
-        target.copy_(source)
-        return time.perf_counter() - start
+        return timed(target.copy_, source)[1]
 
     def fill(fresh: bool):
         evict()
-        start = time.perf_counter()
-        (torch.empty_like(source) if fresh else target).fill_(1)
-        return time.perf_counter() - start
+        return timed(lambda: (torch.empty_like(source) if fresh else target).fill_(1))[1]
 
     samples = {name: ([], [], []) for name in impls}  # forward, backward, the copy timed before them
     first_touch = []  # a fresh buffer of the input's size filled, less the same fill of a reused one
@@ -218,20 +191,9 @@ def describe_runs(rows: list[dict]) -> list[str]:
 
 
 def cpu_info() -> dict:
-    info = {"model": platform.processor() or "unknown", "flags": [], "cores": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    info["model"] = value.strip()
-                elif key.strip() == "flags":
-                    info["flags"] = value.split()
-                    break
-    except OSError:
-        pass
-    info["last_level_cache_bytes"] = last_level_cache_bytes()
-    return info
+    host = cpu()
+    return {"model": host.model, "flags": list(host.flags), "cores": host.logical_cpus,
+            "last_level_cache_bytes": last_level_cache_bytes()}
 
 
 def describe_run(result: dict) -> str:
@@ -245,3 +207,99 @@ def describe_run(result: dict) -> str:
         + ("warm allocator (freed memory reused)" if result["warm_allocator"] else "glibc's default allocator")
         + "; every timed phase from cold caches"
     )
+
+
+def report(result: dict, floor: str, fresh: str, tensor: str, baselines: dict[str, str], columns=()) -> str:
+    """The text of an operator benchmark's result: the medians, then the best rounds, then the spread
+    over runs. ``floor``: the bytes of the floor; ``fresh``: the outputs the fresh floor adds; ``tensor``:
+    the input saved bytes are relative to; ``baselines``: implementation -> label, in column order;
+    ``columns``: (header, row -> text) after the dtype, such as the layout."""
+    rows = result["rows"]
+    keys = [("dtype", lambda row: row["dtype"]), *columns]
+    names = list(baselines)
+
+    def table(headers):
+        return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+
+    def cells(values):
+        return "| " + " | ".join(values) + " |"
+
+    lines = [
+        describe_run(result),
+        "",
+        f"Medians of the rounds, ms. floor = bytes moved ({floor}) / copy bandwidth; "
+        f"first touch = ms a fresh buffer of that size costs beyond writing it; fresh floor adds the first-touch "
+        f"zeroing of {fresh}.",
+        "",
+        *table([header for header, _ in keys] + ["shape", "copy GB/s", "first touch", "ours fwd", "ours bwd", "ours f+b"]
+               + [f"{baselines[name]} f+b" for name in names] + [f"vs {baselines[name]}" for name in names]
+               + ["f+b / floor", "same, paired rounds", "f+b / fresh floor",
+                  f"saved/{tensor} " + ", ".join(["ours", *baselines.values()])]),
+    ]
+    for row in rows:
+        lines.append(cells(
+            [key(row) for _, key in keys]
+            + ["x".join(map(str, row["shape"])), f"{row['copy_bandwidth_gbs']:.1f}", f"{row['first_touch_ms']:.1f}"]
+            + [f"{row['ours'][phase]:.1f}" for phase in ("fwd_ms", "bwd_ms", "total_ms")]
+            + [f"{row[name]['total_ms']:.1f}" for name in names]
+            + [f"{row['speedup_vs'][name]:.2f}x" for name in names]
+            + [f"{row['ours_over_floor']:.2f}", f"{row['ours_over_floor_paired']:.2f}", f"{row['ours_over_fresh_floor']:.2f}",
+               ", ".join(f"{row[name]['saved_over_input']:.2f}" for name in ["ours", *names])]
+        ))
+    lines += [
+        "",
+        "Best rounds (the minimum of each, the least disturbed by other jobs), ms:",
+        "",
+        *table([header for header, _ in keys] + ["copy GB/s", "ours f+b"] + [f"{baselines[name]} f+b" for name in names]
+               + [f"vs {baselines[name]}" for name in names] + ["f+b / floor"]),
+    ]
+    for row in rows:
+        best = row["best"]
+        lines.append(cells(
+            [key(row) for _, key in keys]
+            + [f"{best['copy_bandwidth_gbs']:.1f}", f"{best['ours']:.1f}"]
+            + [f"{best[name]:.1f}" for name in names]
+            + [f"{best[name] / best['ours']:.2f}x" for name in names]
+            + [f"{best['ours_over_floor']:.2f}"]
+        ))
+    return "\n".join(lines + describe_runs(rows))
+
+
+def main(doc: str, benchmark: str, kernel: str, import_impls, measure_rows, report) -> None:
+    """The command line of an operator benchmark. ``import_impls()`` gives torch and the implementations,
+    ``measure_rows(torch, impls, quick, reps)`` the rows of one whole run (``quick``: a small shape),
+    ``report(result)`` the text; ``kernel`` names the ``torch.ops.ascendspeed`` query of the CPU kernels."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=21, help="timed rounds per dtype")
+    parser.add_argument("--runs", type=int, default=1, help="whole runs; the median run of each row is reported")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the kernel")
+    parser.add_argument("--warm-allocator", action="store_true",
+                        help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
+    args = parser.parse_args()
+    if args.warm_allocator:
+        rerun_with_warm_allocator()
+
+    torch, impls = import_impls()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_before = load_average()
+    rows = combine_runs([measure_rows(torch, impls, args.quick, args.reps) for _ in range(args.runs)])
+    result = {
+        "benchmark": benchmark,
+        "cpu": cpu_info(),
+        "torch": torch.__version__,
+        "kernel": getattr(torch.ops.ascendspeed, kernel)(),
+        "threads": args.threads,
+        "warm_allocator": warm_allocator_active(),
+        "load_before": load_before,
+        "load_after": load_average(),
+        "note": "medians of interleaved rounds, every timed phase from cold caches",
+        "seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1)

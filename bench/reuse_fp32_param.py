@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from harness import PhaseTimes, cpu
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -207,26 +209,21 @@ def switch_benchmark(elements: int, repeats: int, threads: int) -> dict:
         for name, halves, high_offset, low in _switch_layouts(elements):
             expected = halves[: 2 * elements].clone()
             ties = bf16_split_(halves, high_offset, low)
-            times = {key: [] for key in ("copy", "fused_to_main", "fused_to_model", "torch_to_main", "torch_to_model")}
+            phase = PhaseTimes()
             for _ in range(repeats):
-                start = time.perf_counter()
-                target.copy_(source)
-                times["copy"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                bf16_join_(halves, ties, high_offset, low)
-                times["fused_to_main"].append(time.perf_counter() - start)
+                with phase("copy"):
+                    target.copy_(source)
+                with phase("fused_to_main"):
+                    bf16_join_(halves, ties, high_offset, low)
                 assert torch.equal(halves[: 2 * elements], expected)
-                start = time.perf_counter()
-                ties = bf16_split_(halves, high_offset, low)
-                times["fused_to_model"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                torch_codec_to_main(halves, ties, high_offset, low)
-                times["torch_to_main"].append(time.perf_counter() - start)
+                with phase("fused_to_model"):
+                    ties = bf16_split_(halves, high_offset, low)
+                with phase("torch_to_main"):
+                    torch_codec_to_main(halves, ties, high_offset, low)
                 assert torch.equal(halves[: 2 * elements], expected)
-                start = time.perf_counter()
-                ties = torch_codec_to_model(halves, high_offset, low)
-                times["torch_to_model"].append(time.perf_counter() - start)
-            ms = {key: statistics.median(series) * 1e3 for key, series in times.items()}
+                with phase("torch_to_model"):
+                    ties = torch_codec_to_model(halves, high_offset, low)
+            ms = {key: seconds * 1e3 for key, seconds in phase.medians().items()}
             ms |= {f"{key}_over_copy": ms[key] / ms["copy"] for key in list(ms) if key != "copy"}
             ms["speedup_to_main"] = ms["torch_to_main"] / ms["fused_to_main"]
             ms["speedup_to_model"] = ms["torch_to_model"] / ms["fused_to_model"]
@@ -241,20 +238,9 @@ def switch_benchmark(elements: int, repeats: int, threads: int) -> dict:
 
 
 def machine() -> dict:
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cores": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name") and "cpu" not in info:
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    info["simd"] = [f for f in flags if f.startswith(("avx", "sse4", "fma", "amx"))]
-                    break
-    except OSError:
-        pass
-    info["note"] = "machine shared with other jobs while measuring"
-    return info
+    host = cpu()
+    return {"python": platform.python_version(), "torch": torch.__version__, "cores": host.logical_cpus,
+            "cpu": host.model, "simd": host.vector_flags, "note": "machine shared with other jobs while measuring"}
 
 
 def main() -> None:

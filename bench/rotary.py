@@ -18,15 +18,12 @@ rounds are reported. Memory: bytes saved for backward relative to the bytes of t
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 import warnings
 
-from allocator import rerun_with_warm_allocator, warm_allocator_active
-from operator_floor import Phases, combine_runs, cpu_info, describe_run, describe_runs, measure
+from operator_floor import Phases, main, measure
+from operator_floor import report as operator_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (4096, 1, 32, 128)
@@ -67,86 +64,19 @@ def measure_layout(torch, impls, shape, dtype, interleaved, reps):
     return {"interleaved": interleaved, **measure(closures, [t], grad, PHASES, reps)}
 
 
+def layout(row) -> str:
+    return "interleaved" if row["interleaved"] else "half"
+
+
 def report(result) -> str:
-    lines = [
-        describe_run(result),
-        "",
-        "Medians of the rounds, ms. floor = bytes moved (2N fwd + 2N bwd) / copy bandwidth; "
-        "first touch = ms a fresh buffer of that size costs beyond writing it; fresh floor adds the first-touch zeroing of the output and grad_t.",
-        "",
-        "| dtype | layout | shape | copy GB/s | first touch | ours fwd | ours bwd | ours f+b | eager f+b | vs eager "
-        "| f+b / floor | same, paired rounds | f+b / fresh floor | saved/t ours, eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['dtype']} | {'interleaved' if row['interleaved'] else 'half'} "
-            f"| {'x'.join(map(str, row['shape']))} | {row['copy_bandwidth_gbs']:.1f} | {row['first_touch_ms']:.1f} "
-            f"| {row['ours']['fwd_ms']:.1f} | {row['ours']['bwd_ms']:.1f} | {row['ours']['total_ms']:.1f} "
-            f"| {row['eager']['total_ms']:.1f} | {row['speedup_vs']['eager']:.2f}x "
-            f"| {row['ours_over_floor']:.2f} | {row['ours_over_floor_paired']:.2f} "
-            f"| {row['ours_over_fresh_floor']:.2f} "
-            f"| {row['ours']['saved_over_input']:.2f}, {row['eager']['saved_over_input']:.2f} |"
-        )
-    lines += [
-        "",
-        "Best rounds (the minimum of each, the least disturbed by other jobs), ms:",
-        "",
-        "| dtype | layout | copy GB/s | ours f+b | eager f+b | vs eager | f+b / floor |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        best = row["best"]
-        lines.append(
-            f"| {row['dtype']} | {'interleaved' if row['interleaved'] else 'half'} "
-            f"| {best['copy_bandwidth_gbs']:.1f} | {best['ours']:.1f} | {best['eager']:.1f} "
-            f"| {best['eager'] / best['ours']:.2f}x | {best['ours_over_floor']:.2f} |"
-        )
-    return "\n".join(lines + describe_runs(result["rows"]))
+    return operator_report(result, floor="2N fwd + 2N bwd", fresh="the output and grad_t", tensor="t",
+                           baselines={"eager": "eager"}, columns=[("layout", layout)])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reps", type=int, default=21, help="timed rounds per dtype")
-    parser.add_argument("--runs", type=int, default=1, help="whole runs; the median run of each row is reported")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default=None, help="also write the raw results here")
-    parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the kernel")
-    parser.add_argument("--warm-allocator", action="store_true",
-                        help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
-    args = parser.parse_args()
-    if args.warm_allocator:
-        rerun_with_warm_allocator()
-
-    torch, impls = _import()
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    shape = QUICK_SHAPE if args.quick else SHAPE
-    rows = combine_runs(
-        [
-            [measure_layout(torch, impls, shape, getattr(torch, d), layout, args.reps) for d in DTYPES for layout in LAYOUTS]
-            for _ in range(args.runs)
-        ]
-    )
-    result = {
-        "benchmark": "rotary_embedding forward+backward",
-        "cpu": cpu_info(),
-        "torch": torch.__version__,
-        "kernel": torch.ops.ascendspeed._rotary_embedding_cpu_kernel(),
-        "threads": args.threads,
-        "warm_allocator": warm_allocator_active(),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-        "note": "medians of interleaved rounds, every timed phase from cold caches",
-        "seconds": time.perf_counter() - started,
-        "rows": rows,
-    }
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=1)
+def measure_rows(torch, impls, quick: bool, reps: int) -> list[dict]:
+    shape = QUICK_SHAPE if quick else SHAPE
+    return [measure_layout(torch, impls, shape, getattr(torch, d), layout, reps) for d in DTYPES for layout in LAYOUTS]
 
 
 if __name__ == "__main__":
-    main()
+    main(__doc__, "rotary_embedding forward+backward", "_rotary_embedding_cpu_kernel", _import, measure_rows, report)

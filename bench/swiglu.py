@@ -24,13 +24,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 import warnings
 
+from harness import cpu, load_average, timed
 from saved_memory import saved_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,13 +60,10 @@ def _import_torch():
 def _step(fn, x, grad):
     """One forward and one backward of ``fn`` under autograd: their times in seconds."""
     x.grad = None
-    start = time.perf_counter()
-    y = fn(x)
-    middle = time.perf_counter()
-    y.backward(grad)
-    end = time.perf_counter()
+    y, fwd = timed(fn, x)
+    _, bwd = timed(y.backward, grad)
     x.grad = None
-    return middle - start, end - middle
+    return fwd, bwd
 
 
 def measure(torch, impls, shape, dtype, reps):
@@ -81,9 +78,7 @@ def measure(torch, impls, shape, dtype, reps):
     for name, fn in impls.items():
         _step(fn, x, grad)  # warm up (megatron's function compiles here)
     for _ in range(reps):
-        start = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - start)
+        copies.append(timed(dst.copy_, src)[1])
         for name, fn in impls.items():
             fwd, bwd = _step(fn, x, grad)
             samples[name][0].append(fwd)
@@ -141,7 +136,7 @@ def worker(threads: int, reps: int, shapes) -> None:
             big = math.prod(shape) > 10**8  # fewer rounds for the largest shape keep the run to minutes
             row = measure(torch, impls, shape, getattr(torch, dtype_name), max(3, reps - 2) if big else reps)
             row.update(threads=threads, thp=os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",
-                       load=os.getloadavg()[0])
+                       load=load_average())
             print(json.dumps(row), flush=True)
 
 
@@ -181,7 +176,7 @@ def _ratio(a, b):
 
 def report(rows, memory, kernel) -> str:
     lines = [
-        f"CPU: {_cpu_name()}; torch {_torch_version()}; ascendspeed kernels: {kernel}; "
+        f"CPU: {cpu().model} ({cpu().logical_cpus} cores); torch {_torch_version()}; ascendspeed kernels: {kernel}; "
         f"1-minute load average during the run: {min(r['load'] for r in rows):.1f} to "
         f"{max(r['load'] for r in rows):.1f} (anything above the core count means other work competed)",
         "",
@@ -230,17 +225,6 @@ def report(rows, memory, kernel) -> str:
             f"| {values['bwd_alloc_over_grad_x']:.2f} |"
         )
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _torch_version() -> str:

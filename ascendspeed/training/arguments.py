@@ -42,6 +42,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-channels", type=int, default=None, help="default hidden size / attention heads")
     group.add_argument("--seq-length", type=int, default=128)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    # The ones of Megatron-LM's choices (integration.megatron_lm.POSITION_EMBEDDING_TYPES) this entry's
+    # GPTModel builds: yarn and mrope need flags it does not offer, relative is T5's. Features add theirs.
     group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     group.add_argument("--rotary-percent", type=float, default=1.0)
     group.add_argument("--rotary-base", type=int, default=10000)

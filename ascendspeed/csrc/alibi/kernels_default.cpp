@@ -1,13 +1,8 @@
-// In-place ALiBi kernels for any CPU: at::vec's portable Vectorized, compiled for the baseline ISA.
+// In-place ALiBi kernels for any CPU: at::vec's portable Vectorized, baseline ISA.
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "alibi_bias_kernels.h"
-#include "../common/cpu_isa_prelude.h"
-
-#define CPU_CAPABILITY DEFAULT
+#include "../common/cpu_isa_kernels.h"
+#include "../common/cpu_isa_default_begin.h"
 #include "alibi_bias_kernels_impl.h"
 
-namespace ascendspeed::alibi {
-const CpuKernels* cpu_kernels_default() {
-  static const CpuKernels kernels{&DEFAULT::add_bias, "DEFAULT"};
-  return &kernels;
-}
-} // namespace ascendspeed::alibi
+ASCENDSPEED_DEFINE_CPU_KERNELS(alibi, default, &add_bias)

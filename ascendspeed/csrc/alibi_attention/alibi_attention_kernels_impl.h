@@ -1,6 +1,5 @@
 // The ALiBi flash attention CPU kernels, written once against at::vec::Vectorized and compiled once per
-// instruction set. Only a kernels_<isa>.cpp includes this, after alibi_attention_prelude.h and after
-// choosing CPU_CAPABILITY.
+// instruction set. Only a kernels_<isa>.cpp includes this, inside its instruction-set region.
 //
 // Blockwise ("flash") attention with the ALiBi bias generated inside the softmax loop:
 //   s[i, j] = scale * q_i . k_j - slope * (q_pos(i) - j),   q_pos(i) = i + q_offset,  keys j <= q_pos(i)

@@ -1,24 +1,12 @@
-// ALiBi flash attention CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level); see
-// ../common/cpu_isa_avx512_begin.h.
+// ALiBi flash attention CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level).
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "alibi_attention_kernels.h"
+#include "../common/cpu_isa_kernels.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include "alibi_attention_prelude.h"
+#if ASCENDSPEED_CPU_ISA_REGIONS
 #include "../common/cpu_isa_avx512_begin.h"
 #include "alibi_attention_kernels_impl.h"
 #include "../common/cpu_isa_end.h"
-
-namespace ascendspeed::alibi_attention {
-const CpuKernels* cpu_kernels_avx512() {
-  static const CpuKernels kernels{&AVX512::forward, &AVX512::backward, "AVX512"};
-  return &kernels;
-}
-} // namespace ascendspeed::alibi_attention
-
-#else
-namespace ascendspeed::alibi_attention {
-const CpuKernels* cpu_kernels_avx512() {
-  return nullptr;
-}
-} // namespace ascendspeed::alibi_attention
 #endif
+
+ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, avx512, &forward, &backward)

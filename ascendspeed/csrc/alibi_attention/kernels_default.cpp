@@ -1,15 +1,8 @@
 // ALiBi flash attention CPU kernels for any CPU: at::vec's portable Vectorized, baseline ISA.
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "alibi_attention_kernels.h"
-#include "alibi_attention_prelude.h"
-
-#define CPU_CAPABILITY DEFAULT
+#include "../common/cpu_isa_kernels.h"
+#include "../common/cpu_isa_default_begin.h"
 #include "alibi_attention_kernels_impl.h"
 
-namespace ascendspeed::alibi_attention {
-
-const CpuKernels* cpu_kernels_default() {
-  static const CpuKernels kernels{&DEFAULT::forward, &DEFAULT::backward, "DEFAULT"};
-  return &kernels;
-}
-
-} // namespace ascendspeed::alibi_attention
+ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, default, &forward, &backward)

@@ -1,4 +1,4 @@
-// Shared by the operators with per-instruction-set kernels (rms_norm, rotary, alibi_bias_): the choice
+// Shared by the operators with per-instruction-set kernels (cpu_isa_kernels.h): the choice
 // of kernels and the allocation of large outputs. Compiled for the baseline ISA (include it from the
 // operator's .cpp, not from a kernels_<isa>.cpp).
 #pragma once
@@ -35,8 +35,7 @@ const Kernels& widest_kernels(const Kernels* avx512, const Kernels* avx2, const 
 // only the 2 MiB-aligned interior of our own large outputs is advised, before anything touches it.
 // Buffers of 32 MiB and more are private mappings of their own in glibc (its mmap threshold never
 // exceeds that), so the advice never reaches pages of the shared heap. Advice only: errors are ignored.
-inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  auto output = at::empty(sizes, options);
+inline void advise_huge_pages(const at::Tensor& output) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
   constexpr size_t kMinBytes = size_t{32} << 20;
@@ -50,12 +49,26 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
     }
   }
 #endif
+}
+
+inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  auto output = at::empty(sizes, options);
+  advise_huge_pages(output);
+  return output;
+}
+
+inline at::Tensor empty_output(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
+  auto output = at::empty_strided(sizes, strides, options);
+  advise_huge_pages(output);
   return output;
 }
 
 // "AVX512, multi-threaded": how an operator's CPU kernels run, for tests and benchmarks.
 // at::parallel_for is inline: with torch's OpenMP backend it runs on one thread unless this extension
 // itself is compiled with -fopenmp (setup.py does).
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
+#warning "ascendspeed._C is built without -fopenmp: at::parallel_for runs the CPU kernels on one thread"
+#endif
 inline std::string describe_kernels(const char* isa) {
 #if AT_PARALLEL_OPENMP && !defined(_OPENMP)
   return std::string(isa) + ", single-threaded (built without -fopenmp)";

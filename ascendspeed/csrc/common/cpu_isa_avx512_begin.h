@@ -1,7 +1,9 @@
 // Switches the rest of a kernels_avx512.cpp to AVX-512 F/BW/VL/DQ (torch's "AVX512" level) until
 // cpu_isa_end.h, with GCC's target pragma, so the extension keeps one set of compile flags and still
-// loads on CPUs without AVX-512. Include cpu_isa_prelude.h first. No include guard: one use per
-// translation unit.
+// loads on CPUs without AVX-512. Only where ASCENDSPEED_CPU_ISA_REGIONS (cpu_isa_kernels.h). No include
+// guard: one use per translation unit.
+#include "cpu_isa_prelude.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
 // GCC does not define the ISA macros for a target pragma in C++, and sleef.h (the vector math behind

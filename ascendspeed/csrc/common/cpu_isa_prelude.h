@@ -35,8 +35,10 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #error "cpu_isa_prelude.h must be included before CPU_CAPABILITY_* is defined"

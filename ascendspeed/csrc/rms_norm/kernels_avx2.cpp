@@ -1,23 +1,12 @@
-// RMSNorm CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level); see ../common/cpu_isa_avx2_begin.h.
+// RMSNorm CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level).
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "rms_norm_kernels.h"
+#include "../common/cpu_isa_kernels.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include "../common/cpu_isa_prelude.h"
+#if ASCENDSPEED_CPU_ISA_REGIONS
 #include "../common/cpu_isa_avx2_begin.h"
 #include "rms_norm_kernels_impl.h"
 #include "../common/cpu_isa_end.h"
-
-namespace ascendspeed::rms_norm {
-const CpuKernels* cpu_kernels_avx2() {
-  static const CpuKernels kernels{&AVX2::forward, &AVX2::backward, "AVX2"};
-  return &kernels;
-}
-} // namespace ascendspeed::rms_norm
-
-#else
-namespace ascendspeed::rms_norm {
-const CpuKernels* cpu_kernels_avx2() {
-  return nullptr;
-}
-} // namespace ascendspeed::rms_norm
 #endif
+
+ASCENDSPEED_DEFINE_CPU_KERNELS(rms_norm, avx2, &forward, &backward)

@@ -1,13 +1,8 @@
-// RMSNorm CPU kernels for any CPU: at::vec's portable Vectorized, compiled for the baseline ISA.
+// RMSNorm CPU kernels for any CPU: at::vec's portable Vectorized, baseline ISA.
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "rms_norm_kernels.h"
-#include "../common/cpu_isa_prelude.h"
-
-#define CPU_CAPABILITY DEFAULT
+#include "../common/cpu_isa_kernels.h"
+#include "../common/cpu_isa_default_begin.h"
 #include "rms_norm_kernels_impl.h"
 
-namespace ascendspeed::rms_norm {
-const CpuKernels* cpu_kernels_default() {
-  static const CpuKernels kernels{&DEFAULT::forward, &DEFAULT::backward, "DEFAULT"};
-  return &kernels;
-}
-} // namespace ascendspeed::rms_norm
+ASCENDSPEED_DEFINE_CPU_KERNELS(rms_norm, default, &forward, &backward)

@@ -1,23 +1,12 @@
-// Rotary-embedding CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level); see ../common/cpu_isa_avx2_begin.h.
+// Rotary-embedding CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level).
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "rotary_kernels.h"
+#include "../common/cpu_isa_kernels.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include "../common/cpu_isa_prelude.h"
+#if ASCENDSPEED_CPU_ISA_REGIONS
 #include "../common/cpu_isa_avx2_begin.h"
 #include "rotary_kernels_impl.h"
 #include "../common/cpu_isa_end.h"
-
-namespace ascendspeed::rotary {
-const CpuKernels* cpu_kernels_avx2() {
-  static const CpuKernels kernels{&AVX2::apply, "AVX2"};
-  return &kernels;
-}
-} // namespace ascendspeed::rotary
-
-#else
-namespace ascendspeed::rotary {
-const CpuKernels* cpu_kernels_avx2() {
-  return nullptr;
-}
-} // namespace ascendspeed::rotary
 #endif
+
+ASCENDSPEED_DEFINE_CPU_KERNELS(rotary, avx2, &apply)

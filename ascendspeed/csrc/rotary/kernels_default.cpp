@@ -1,13 +1,8 @@
-// Rotary-embedding CPU kernels for any CPU: at::vec's portable Vectorized, compiled for the baseline ISA.
+// Rotary-embedding CPU kernels for any CPU: at::vec's portable Vectorized, baseline ISA.
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "rotary_kernels.h"
-#include "../common/cpu_isa_prelude.h"
-
-#define CPU_CAPABILITY DEFAULT
+#include "../common/cpu_isa_kernels.h"
+#include "../common/cpu_isa_default_begin.h"
 #include "rotary_kernels_impl.h"
 
-namespace ascendspeed::rotary {
-const CpuKernels* cpu_kernels_default() {
-  static const CpuKernels kernels{&DEFAULT::apply, "DEFAULT"};
-  return &kernels;
-}
-} // namespace ascendspeed::rotary
+ASCENDSPEED_DEFINE_CPU_KERNELS(rotary, default, &apply)

@@ -1,40 +1,12 @@
-// SwiGLU CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level), built with GCC's target pragma so
-// the extension keeps one set of compile flags and still runs on CPUs without AVX2.
+// SwiGLU CPU kernels for AVX2 + FMA CPUs (torch's "AVX2" level).
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "swiglu_kernels.h"
+#include "../common/cpu_isa_kernels.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include "swiglu_kernels_prelude.h"
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-// GCC does not define the ISA macros for a target pragma in C++, and sleef.h (the vector math
-// behind Vectorized::exp) declares its wide entry points only under them.
-#ifndef __AVX__
-#define __AVX__ 1
-#define ASCENDSPEED_DEFINED__AVX__
-#endif
-#include <sleef.h>
-#ifdef ASCENDSPEED_DEFINED__AVX__
-#undef __AVX__
-#undef ASCENDSPEED_DEFINED__AVX__
-#endif
-
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
+#if ASCENDSPEED_CPU_ISA_REGIONS
+#include "../common/cpu_isa_avx2_begin.h"
 #include "swiglu_kernels_impl.h"
-#pragma GCC pop_options
-
-namespace ascendspeed::swiglu {
-const CpuKernels* cpu_kernels_avx2() {
-  static const CpuKernels kernels{&AVX2::forward, &AVX2::backward, "AVX2"};
-  return &kernels;
-}
-} // namespace ascendspeed::swiglu
-
-#else
-namespace ascendspeed::swiglu {
-const CpuKernels* cpu_kernels_avx2() {
-  return nullptr;
-}
-} // namespace ascendspeed::swiglu
+#include "../common/cpu_isa_end.h"
 #endif
+
+ASCENDSPEED_DEFINE_CPU_KERNELS(swiglu, avx2, &forward, &backward)

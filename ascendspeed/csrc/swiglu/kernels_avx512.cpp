@@ -1,48 +1,12 @@
-// SwiGLU CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level), built with GCC's target
-// pragma so the extension keeps one set of compile flags and still runs on CPUs without AVX-512.
+// SwiGLU CPU kernels for AVX-512 F/BW/VL/DQ CPUs (torch's "AVX512" level).
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "swiglu_kernels.h"
+#include "../common/cpu_isa_kernels.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#include "swiglu_kernels_prelude.h"
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt")
-// GCC does not define the ISA macros for a target pragma in C++, and sleef.h (the vector math
-// behind Vectorized::exp) declares its wide entry points only under them.
-#ifndef __AVX__
-#define __AVX__ 1
-#define ASCENDSPEED_DEFINED__AVX__
-#endif
-#ifndef __AVX512F__
-#define __AVX512F__ 1
-#define ASCENDSPEED_DEFINED__AVX512F__
-#endif
-#include <sleef.h>
-#ifdef ASCENDSPEED_DEFINED__AVX512F__
-#undef __AVX512F__
-#undef ASCENDSPEED_DEFINED__AVX512F__
-#endif
-#ifdef ASCENDSPEED_DEFINED__AVX__
-#undef __AVX__
-#undef ASCENDSPEED_DEFINED__AVX__
-#endif
-
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
+#if ASCENDSPEED_CPU_ISA_REGIONS
+#include "../common/cpu_isa_avx512_begin.h"
 #include "swiglu_kernels_impl.h"
-#pragma GCC pop_options
-
-namespace ascendspeed::swiglu {
-const CpuKernels* cpu_kernels_avx512() {
-  static const CpuKernels kernels{&AVX512::forward, &AVX512::backward, "AVX512"};
-  return &kernels;
-}
-} // namespace ascendspeed::swiglu
-
-#else
-namespace ascendspeed::swiglu {
-const CpuKernels* cpu_kernels_avx512() {
-  return nullptr;
-}
-} // namespace ascendspeed::swiglu
+#include "../common/cpu_isa_end.h"
 #endif
+
+ASCENDSPEED_DEFINE_CPU_KERNELS(swiglu, avx512, &forward, &backward)

@@ -1,15 +1,8 @@
-// SwiGLU CPU kernels for any CPU: at::vec's portable Vectorized, compiled for the baseline ISA.
+// SwiGLU CPU kernels for any CPU: at::vec's portable Vectorized, baseline ISA.
+// Compiled as ../common/cpu_isa_kernels.h describes.
 #include "swiglu_kernels.h"
-#include "swiglu_kernels_prelude.h"
-
-#define CPU_CAPABILITY DEFAULT
+#include "../common/cpu_isa_kernels.h"
+#include "../common/cpu_isa_default_begin.h"
 #include "swiglu_kernels_impl.h"
 
-namespace ascendspeed::swiglu {
-
-const CpuKernels* cpu_kernels_default() {
-  static const CpuKernels kernels{&DEFAULT::forward, &DEFAULT::backward, "DEFAULT"};
-  return &kernels;
-}
-
-} // namespace ascendspeed::swiglu
+ASCENDSPEED_DEFINE_CPU_KERNELS(swiglu, default, &forward, &backward)

@@ -19,11 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/cpu_isa.h"
 #include "swiglu_kernels.h"
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 namespace ascendspeed::swiglu {
 namespace {
@@ -172,49 +169,15 @@ Plan make_plan(const at::Tensor& input, int64_t d) {
   return plan;
 }
 
-// A fresh output of many megabytes is first touched by the kernel, and on Linux each of its 4 KiB
-// pages then faults on its own: for a 180 MB output that costs more than computing it. Huge pages cut
-// the faults 512-fold, as torch's THP_MEM_ALLOC_ENABLE=1 does for all its allocations; here only the
-// 2 MiB-aligned interior of our own large outputs is advised, before anything touches it. Buffers of
-// 32 MiB and more are private mappings of their own in glibc (its mmap threshold never exceeds that),
-// so the advice never reaches pages of the shared heap. It is advice: errors are ignored.
-at::Tensor empty_output(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
-  auto output = at::empty_strided(sizes, strides, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  constexpr size_t kMinBytes = size_t{32} << 20;
-  const size_t bytes = output.storage().nbytes();
-  if (bytes >= kMinBytes) {
-    const auto begin = reinterpret_cast<uintptr_t>(output.storage().data());
-    const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t last = (begin + bytes) & ~(kHugePage - 1);
-    if (first < last) {
-      madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-    }
-  }
-#endif
-  return output;
-}
-
-// The widest kernels torch itself uses on this CPU (ATEN_CPU_CAPABILITY lowers it, as for torch).
 const CpuKernels& cpu_kernels() {
-  static const CpuKernels* chosen = [] {
-    const std::string isa = at::get_cpu_capability();
-    const CpuKernels* kernels = nullptr;
-    if (isa == "AVX512") {
-      kernels = cpu_kernels_avx512();
-    }
-    if (kernels == nullptr && (isa == "AVX512" || isa == "AVX2")) {
-      kernels = cpu_kernels_avx2();
-    }
-    return kernels != nullptr ? kernels : cpu_kernels_default();
-  }();
-  return *chosen;
+  static const CpuKernels& chosen =
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+  return chosen;
 }
 
 at::Tensor swiglu_cpu(const at::Tensor& input, int64_t dim) {
   const Plan plan = make_plan(input, check_swiglu(input, dim));
-  auto y = empty_output(plan.y_sizes, dense_strides(plan.y_sizes, plan.order), plan.x.options());
+  auto y = cpu::empty_output(plan.y_sizes, dense_strides(plan.y_sizes, plan.order), plan.x.options());
   if (y.numel() > 0) {
     cpu_kernels().forward(plan.x, y, plan.rows, plan.len);
   }
@@ -230,7 +193,7 @@ at::Tensor swiglu_backward_cpu(const at::Tensor& grad_y, const at::Tensor& input
     g.copy_(grad_y);
   }
   auto grad_x =
-      empty_output(plan.x.sizes(), dense_strides(plan.x.sizes(), plan.order), plan.x.options());
+      cpu::empty_output(plan.x.sizes(), dense_strides(plan.x.sizes(), plan.order), plan.x.options());
   if (grad_x.numel() > 0) {
     cpu_kernels().backward(g, plan.x, grad_x, plan.rows, plan.len);
   }
@@ -249,19 +212,8 @@ at::Tensor swiglu_backward_meta(const at::Tensor& grad_y, const at::Tensor& x, i
   return empty_meta_in_order(x.sym_sizes().vec(), output_order(x), x.options());
 }
 
-// at::parallel_for is inline: with torch's OpenMP backend it runs on one thread unless this extension
-// itself is compiled with -fopenmp.
-#if AT_PARALLEL_OPENMP && !defined(_OPENMP)
-#warning "ascendspeed._C is built without -fopenmp: at::parallel_for runs the SwiGLU kernels on one thread"
-constexpr bool kMultiThreaded = false;
-#else
-constexpr bool kMultiThreaded = true;
-#endif
-
-// "AVX512, multi-threaded": the kernels in use, for tests and benchmarks.
 std::string cpu_kernel() {
-  return std::string(cpu_kernels().isa) +
-      (kMultiThreaded ? ", multi-threaded" : ", single-threaded (built without -fopenmp)");
+  return cpu::describe_kernels(cpu_kernels().isa);
 }
 
 } // namespace

@@ -1,11 +1,13 @@
 // The SwiGLU CPU kernels, written once against at::vec::Vectorized and compiled once per instruction
-// set. Only a kernels_<isa>.cpp includes this, after swiglu_kernels_prelude.h and after choosing
-// CPU_CAPABILITY; everything here is then built for that instruction set.
+// set. Only a kernels_<isa>.cpp includes this, inside its instruction-set region: everything here is
+// then built for that instruction set.
 //
 // The kernels stream over memory once: forward reads x and writes y (3 elements moved per output
 // element), backward reads grad_y and x and writes grad_x (5). Math is done in opmath_type:
 // float for float/bfloat16/half, double for double.
 #pragma once
+
+#include "../common/vec_block.h"
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -18,38 +20,8 @@ namespace ascendspeed::swiglu {
 namespace CPU_CAPABILITY {
 namespace {
 
+using ascendspeed::vec::CPU_CAPABILITY::Block;
 using at::vec::Vectorized;
-
-// One block of scalar_t elements as opmath vectors: a Vectorized<BFloat16> holds twice as many
-// elements as a Vectorized<float>, so reduced types convert to and from two float vectors.
-template <typename scalar_t>
-struct Block {
-  using opmath_t = at::opmath_type<scalar_t>;
-  using Vec = Vectorized<opmath_t>;
-  static constexpr bool kReduced = c10::is_reduced_floating_point_v<scalar_t>;
-  static constexpr int kParts = kReduced ? 2 : 1;
-  static constexpr int64_t kSize = Vectorized<scalar_t>::size();
-  using Values = std::array<Vec, kParts>;
-
-  // `count` <= kSize; a partial block touches only `count` elements.
-  static Values load(const scalar_t* p, int64_t count) {
-    const auto v = Vectorized<scalar_t>::loadu(p, count);
-    if constexpr (kReduced) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
-      return {lo, hi};
-    } else {
-      return {v};
-    }
-  }
-
-  static void store(scalar_t* p, const Values& v, int64_t count) {
-    if constexpr (kReduced) {
-      at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p, count);
-    } else {
-      v[0].store(p, count);
-    }
-  }
-};
 
 // s = 1 / (1 + exp(-a)). Where exp(-a) overflows (a below about -88 in fp32) s is 0 or a denormal:
 // never NaN. fp32 math (also for bfloat16 and float16) uses ATen's inline exp_u20: silu(a) is then

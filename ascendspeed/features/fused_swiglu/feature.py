@@ -4,19 +4,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ascendspeed.features.base import Feature, FeatureArgumentError, Unsupported, defaults_of, refuse_unsupported
-
-#: ``TransformerConfig`` settings (also Megatron-LM flag destinations) the fused operator cannot honour.
-#: Megatron-LM has no flag for activation_func_fp8_input_store; it is refused where a caller sets it.
-UNSUPPORTED = (
-    Unsupported("activation_func_fp8_input_store", "activation_func_fp8_input_store", False,
-                "the fused operator saves its input for backward in the activation dtype, not in fp8"),
-    Unsupported("use_te_activation_func", "--use-te-activation-func", False,
-                "Transformer Engine's activation would replace the fused operator"),
-    Unsupported("activation_func_clamp_value", "--activation-func-clamp-value", None,
-                "the fused operator has no clamped SwiGLU"),
-    Unsupported("glu_linear_offset", "--glu-linear-offset", 0.0, "the fused operator has no linear offset"),
-)
+from ascendspeed.features.base import Feature, FeatureArgumentError, defaults_of, refuse_unsupported
+from ascendspeed.features.fused_swiglu.config import UNSUPPORTED
 
 
 @dataclasses.dataclass(frozen=True)

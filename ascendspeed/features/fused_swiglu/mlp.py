@@ -12,11 +12,10 @@ from __future__ import annotations
 import copy
 import functools
 
-import torch.nn.functional as F
-
-from ascendspeed.features.fused_swiglu.feature import UNSUPPORTED
+from ascendspeed.features.fused_swiglu.config import runs_plain_gated_silu
 from ascendspeed.ops.swiglu import swiglu
 from ascendspeed.patching import Patch, replace, wrap
+
 
 def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
     """megatron-core's ``bias_swiglu_impl`` on the fused operator: ``swiglu(input + bias)`` over the last dim.
@@ -35,17 +34,6 @@ def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input
     if cpu_offload_input:
         x.activation_offloading = True
     return swiglu(x, -1)
-
-
-def runs_plain_gated_silu(config) -> bool:
-    """Whether ``MLP.forward`` takes its unfused gated path with a plain SiLU gate for ``config``: the
-    ``glu`` closure computing ``silu(a) * b``, with none of the settings the fused operator refuses."""
-    return (
-        config.gated_linear_unit
-        and config.activation_func is F.silu
-        and not config.bias_activation_fusion
-        and all(getattr(config, rule.dest) == rule.default for rule in UNSUPPORTED)
-    )
 
 
 def wrap_mlp_init(original):

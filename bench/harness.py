@@ -1,0 +1,113 @@
+"""What every bench script shares: the description of the machine it ran on, and the timing of phases.
+
+A result is only comparable with the machine beside it, so every script records the same facts, read
+the same way: the CPU model, its vector instruction sets (what decides which kernels run), the logical
+CPUs, torch's CPU capability and thread count, and the load that other work put on the machine.
+Phases are timed with the wall clock (``time.perf_counter``) and reported as medians of repetitions:
+on a shared machine the median ignores the rounds another job disturbed.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
+
+# The /proc/cpuinfo flags of the vector instruction sets and their extensions.
+VECTOR_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")
+
+
+@dataclass(frozen=True)
+class Cpu:
+    model: str
+    flags: tuple[str, ...]
+    logical_cpus: int
+
+    @property
+    def vector_flags(self) -> list[str]:
+        return sorted(flag for flag in self.flags if flag.startswith(VECTOR_FLAG_PREFIXES))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu() -> Cpu:
+    """This machine's CPU, from /proc/cpuinfo where there is one (its first processor: they are alike)."""
+    model, flags = platform.processor() or "unknown", ()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = tuple(value.split())
+                    break
+    except OSError:
+        pass
+    return Cpu(model=model, flags=flags, logical_cpus=os.cpu_count())
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (sysfs), 0 when it reports none."""
+    largest = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            with open(os.path.join(base, entry, "size")) as size_file:
+                text = size_file.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text[:-1] if text[-1:] in "KMG" else text
+        if digits.isdigit():
+            largest = max(largest, int(digits) * scale)
+    return largest
+
+
+def load_average() -> float:
+    """The 1-minute load average: above the number of logical CPUs, other work competed."""
+    return os.getloadavg()[0]
+
+
+def machine(torch=None) -> dict:
+    """The machine as the results JSON records it; with ``torch``, also its version, CPU capability and
+    thread count (scripts that only launch jobs do not import torch)."""
+    info = {"cpu_model": cpu().model, "cpu_vector_flags": cpu().vector_flags, "logical_cpus": cpu().logical_cpus}
+    if torch is not None:
+        info |= {"torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "threads": torch.get_num_threads()}
+    return info | {"load_average_1min": load_average()}
+
+
+def timed(fn: Callable[..., T], *args) -> tuple[T, float]:
+    """``fn(*args)`` and the wall-clock seconds it took."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+class PhaseTimes:
+    """Seconds of named phases over repetitions, on the wall clock unless ``clock`` is another
+    (``time.process_time``: the CPU time of this process); ``medians()`` in the order first timed."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.seconds: dict[str, list[float]] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = self.clock()
+        yield
+        self.seconds.setdefault(phase, []).append(self.clock() - start)
+
+    def medians(self) -> dict[str, float]:
+        return {phase: statistics.median(seconds) for phase, seconds in self.seconds.items()}
