@@ -51,25 +51,17 @@ def uninstall(manager: PatchManager = MANAGER) -> None:
 
 def build_list_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m ascendspeed.megatron_adaptor``: every feature flag, and the Megatron-LM
-    flags features read, so a training command line's feature flags can be pasted after ``--list``."""
-    from ascendspeed.features import add_feature_arguments, default_arguments
-    from ascendspeed.integration.megatron_lm import POSITION_EMBEDDING_TYPES
+    flags features read (``feature_parser``: the choices and types ``enable_features`` checks too), so a
+    training command line's feature flags can be pasted after ``--list``."""
+    from ascendspeed.features import feature_parser
 
     parser = argparse.ArgumentParser(
         prog="python -m ascendspeed.megatron_adaptor",
         description="Show what ascendspeed patches, optionally with features switched on by their flags.",
+        parents=[feature_parser()],
     )
     parser.add_argument("--list", action="store_true", help="print the applied patches")
     parser.add_argument("--markdown", action="store_true", help="with --list, print a Markdown table")
-    parser.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="learned_absolute")
-    add_feature_arguments(parser)
-    for dest, default in vars(default_arguments()).items():
-        flag = "--" + dest.replace("_", "-")
-        if flag not in parser._option_string_actions:
-            if isinstance(default, bool):
-                parser.add_argument(flag, action="store_true", default=default)
-            else:
-                parser.add_argument(flag, type=type(default) if default is not None else str, default=default)
     return parser
 
 

@@ -27,11 +27,6 @@ from ascendspeed.patching import PatchManager, wrap
 
 FEATURE_NAME = "megatron_lm"
 
-#: Megatron-LM's own choices of ``--position-embedding-type``, for parsers that stand in for its parser;
-#: features add theirs with ``add_choices`` (alibi: "alibi").
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "mrope", "relative", "none")
-
-
 def _on_cpu() -> bool:
     from ascendspeed import accelerator
 

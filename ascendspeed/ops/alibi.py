@@ -53,6 +53,17 @@ def _integer(function: str, name: str, value) -> int:
     return operator.index(value)
 
 
+def default_scale(function: str, query: torch.Tensor) -> float:
+    """``1 / sqrt(head_dim)``; a head dimension of 0 is refused here, before the division fails."""
+    head_dim = query.size(-1) if query.dim() else 0
+    if head_dim == 0:
+        raise ValueError(
+            f"{function}: query has head_dim 0 (query.size(-1), shape {list(query.shape)}): attention needs "
+            "at least one feature per head (and the default scale 1/sqrt(head_dim) is undefined)"
+        )
+    return head_dim**-0.5
+
+
 def _geometric_slopes(count: int) -> list[float]:
     ratio = 2.0 ** (-8.0 / count)
     return [ratio * ratio**k for k in range(count)]
@@ -189,8 +200,10 @@ def alibi_attention(
     sq, sk = query.size(-2), key.size(-2)
     if q_offset is None:
         q_offset = sk - sq
+    else:
+        q_offset = _integer("alibi_attention", "q_offset", q_offset)
     if scale is None:
-        scale = query.size(-1) ** -0.5
+        scale = default_scale("alibi_attention", query)
     if sk == 0 and sq > 0:
         raise ValueError(
             f"alibi_attention: key and value are empty (sk=0) but there are {sq} queries; "

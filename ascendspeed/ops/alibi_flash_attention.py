@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ascendspeed.ops.alibi import _integer, default_scale
+from ascendspeed.ops._autograd import refuse_autograd, register_autograd
 from ascendspeed.ops._extension import load_extension
 
 __all__ = ["alibi_flash_attention"]
@@ -37,12 +39,14 @@ def alibi_flash_attention(
     """Causal ALiBi attention output, [batch, heads, sq, head_dim] like ``query``.
 
     ``slopes``: fp32, one per head. ``scale`` defaults to ``1 / sqrt(head_dim)``; the bias is never
-    scaled. ``q_offset`` >= 0 is the absolute position of query row 0 (keys start at position 0).
+    scaled. ``q_offset`` >= 0 (an int) is the absolute position of query row 0 (keys start at position 0).
     Key and value need query's number of heads: repeat them per group for grouped-query attention.
+    Differentiable in query, key, value and slopes, twice too (see docs/ops/alibi_attention.md).
     """
+    q_offset = _integer("alibi_flash_attention", "q_offset", q_offset)
     if scale is None:
-        scale = query.size(-1) ** -0.5
-    out, _ = torch.ops.ascendspeed.alibi_flash_attention(query, key, value, slopes, float(scale), int(q_offset))
+        scale = default_scale("alibi_flash_attention", query)
+    out, _ = torch.ops.ascendspeed.alibi_flash_attention(query, key, value, slopes, float(scale), q_offset)
     return out
 
 
@@ -55,20 +59,44 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, _grad_logsumexp):
+    """The C++ backward operator; for slopes that require grad, and under ``create_graph`` (double
+    backward, torch.func), a differentiable composition that materialises [batch, heads, sq, sk]."""
     query, key, value, slopes, out, logsumexp = ctx.saved_tensors
     if grad_out is None:
         return None, None, None, None, None, None
+    if ctx.needs_input_grad[3] or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, query, key, value))
+    ):
+        return (*_differentiable_backward(grad_out, query, key, value, slopes, ctx.scale, ctx.q_offset), None, None)
     grad_q, grad_k, grad_v = torch.ops.ascendspeed.alibi_flash_attention_backward(
         grad_out, query, key, value, out, logsumexp, slopes, ctx.scale, ctx.q_offset
     )
     return grad_q, grad_k, grad_v, None, None, None
 
 
-torch.library.register_autograd("ascendspeed::alibi_flash_attention", _backward, setup_context=_setup_context)
+def _differentiable_backward(grad_out, query, key, value, slopes, scale, q_offset):
+    """The gradients of query, key, value and slopes in differentiable torch ops (fp32, fp64 for fp64)."""
+    scores, distance = _reference_scores(query, key, slopes, scale, q_offset)
+    probs = torch.softmax(scores, dim=-1)
+    v, g = value.to(probs.dtype), grad_out.to(probs.dtype)
+    out = probs @ v
+    grad_value = probs.transpose(-1, -2) @ g
+    grad_scores = probs * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+    grad_query = grad_scores @ key.to(probs.dtype) * scale
+    grad_key = grad_scores.transpose(-1, -2) @ query.to(probs.dtype) * scale
+    grad_slopes = -(grad_scores * distance).sum((0, 2, 3))
+    return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+            grad_slopes.to(slopes.dtype))
+
+
+register_autograd("alibi_flash_attention", _backward, _setup_context)
+refuse_autograd("alibi_flash_attention_backward", "differentiate alibi_flash_attention itself (its backward is "
+                "differentiable under create_graph=True) instead of calling the backward operator")
 
 
 def _reference_scores(query, key, slopes, scale, q_offset):
-    """fp32 (fp64 for fp64) biased, causally masked scores: the composition the CUDA kernels use."""
+    """fp32 (fp64 for fp64) biased, causally masked scores and the distances ``q_pos - k_pos``: the
+    composition the CUDA kernels and the differentiable backward use."""
     opmath = torch.float64 if query.dtype == torch.float64 else torch.float32
     sq, sk = query.size(-2), key.size(-2)
     distance = (
@@ -77,7 +105,7 @@ def _reference_scores(query, key, slopes, scale, q_offset):
     )
     scores = query.to(opmath) @ key.to(opmath).transpose(-1, -2) * scale
     scores = scores - slopes.to(opmath)[:, None, None] * distance
-    return scores.masked_fill(distance < 0, float("-inf"))
+    return scores.masked_fill(distance < 0, float("-inf")), distance
 
 
 def _check_on_meta(*tensors_and_scalars):
@@ -88,7 +116,7 @@ def _check_on_meta(*tensors_and_scalars):
 @torch.library.register_kernel("ascendspeed::alibi_flash_attention", "cuda")
 def _forward_cuda(query, key, value, slopes, scale, q_offset=0):
     torch.ops.ascendspeed.alibi_flash_attention(*_check_on_meta(query, key, value, slopes, scale, q_offset))
-    scores = _reference_scores(query, key, slopes, scale, q_offset)
+    scores, _ = _reference_scores(query, key, slopes, scale, q_offset)
     logsumexp = torch.logsumexp(scores, dim=-1)
     out = (scores - logsumexp[..., None]).exp() @ value.to(scores.dtype)
     return out.to(query.dtype), logsumexp
@@ -99,7 +127,7 @@ def _backward_cuda(grad_out, query, key, value, out, logsumexp, slopes, scale, q
     torch.ops.ascendspeed.alibi_flash_attention_backward(
         *_check_on_meta(grad_out, query, key, value, out, logsumexp, slopes, scale, q_offset)
     )
-    probs = (_reference_scores(query, key, slopes, scale, q_offset) - logsumexp[..., None]).exp()
+    probs = (_reference_scores(query, key, slopes, scale, q_offset)[0] - logsumexp[..., None]).exp()
     grad_out = grad_out.to(probs.dtype)
     grad_value = probs.transpose(-1, -2) @ grad_out
     grad_probs = grad_out @ value.to(probs.dtype).transpose(-1, -2)

@@ -22,6 +22,7 @@ import importlib
 
 import torch
 
+from ascendspeed.ops._autograd import refuse_autograd, register_autograd
 from ascendspeed.ops._extension import load_extension
 
 __all__ = ["rms_norm", "rms_norm_reference", "NPU_KERNELS"]
@@ -52,27 +53,41 @@ def rms_norm_reference(
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
-# ``inputs`` holds the arguments as called: trailing ones a caller leaves at their defaults are absent.
-_DEFAULTS = (None, None, 1e-5, False)
-
-
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, eps, zero_centered_gamma = (*inputs, *_DEFAULTS[len(inputs):])
+    x, weight, eps, zero_centered_gamma = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
     ctx.save_for_backward(x, rstd, weight)
-    ctx.zero_centered_gamma = zero_centered_gamma
+    ctx.eps, ctx.zero_centered_gamma = eps, zero_centered_gamma
 
 
 def _backward(ctx, grad_y: torch.Tensor, _grad_rstd):
+    """The C++ backward operator; under ``create_graph`` (double backward, torch.func) a differentiable
+    composition instead, which recomputes ``rstd`` from ``x`` so that its dependence on ``x`` is seen."""
     x, rstd, weight = ctx.saved_tensors
-    grad_x, grad_weight = torch.ops.ascendspeed.rms_norm_backward(
-        grad_y, x, rstd, weight, ctx.zero_centered_gamma
-    )
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_y, x, weight)):
+        grad_x, grad_weight = _differentiable_backward(grad_y, x, weight, ctx.eps, ctx.zero_centered_gamma)
+    else:
+        grad_x, grad_weight = torch.ops.ascendspeed.rms_norm_backward(
+            grad_y, x, rstd, weight, ctx.zero_centered_gamma
+        )
     return grad_x, grad_weight, None, None
 
 
-torch.library.register_autograd("ascendspeed::rms_norm", _backward, setup_context=_setup_context)
+def _differentiable_backward(grad_y, x, weight, eps, zero_centered_gamma):
+    """``rms_norm``'s gradients in differentiable torch ops, computed in (at least) fp32."""
+    opmath = torch.promote_types(x.dtype, torch.float32)
+    xf, g = x.to(opmath), grad_y.to(opmath)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    gw = g * _gamma(weight, opmath, zero_centered_gamma)
+    grad_x = rstd * gw - xf * rstd.pow(3) * (gw * xf).mean(-1, keepdim=True)
+    grad_weight = (g * xf * rstd).reshape(-1, x.size(-1)).sum(0)
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+register_autograd("rms_norm", _backward, _setup_context)
+refuse_autograd("rms_norm_backward", "differentiate rms_norm itself (its backward is differentiable "
+                "under create_graph=True) instead of calling the backward operator")
 
 
 # -- kernels of other devices -----------------------------------------------------------------------------

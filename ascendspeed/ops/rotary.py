@@ -25,6 +25,7 @@ import importlib
 
 import torch
 
+from ascendspeed.ops._autograd import register_autograd
 from ascendspeed.ops._extension import load_extension
 
 __all__ = ["rotary_embedding", "rotary_embedding_reference", "NPU_KERNELS"]
@@ -63,7 +64,7 @@ def rotary_embedding_reference(t: torch.Tensor, freqs: torch.Tensor, interleaved
 
 # -- autograd ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output) -> None:
-    _, freqs, interleaved = (*inputs, False)[:3]
+    _, freqs, interleaved = inputs
     if freqs.requires_grad:
         raise ValueError(
             "rotary_embedding: freqs requires grad, but the operator has no gradient for freqs "
@@ -84,10 +85,8 @@ def _double_backward(ctx, grad_grad_t: torch.Tensor):
     return torch.ops.ascendspeed.rotary_embedding(grad_grad_t, freqs, ctx.interleaved), None, None
 
 
-torch.library.register_autograd("ascendspeed::rotary_embedding", _backward, setup_context=_setup_context)
-torch.library.register_autograd(
-    "ascendspeed::rotary_embedding_backward", _double_backward, setup_context=_setup_context
-)
+register_autograd("rotary_embedding", _backward, _setup_context)
+register_autograd("rotary_embedding_backward", _double_backward, _setup_context)
 
 
 # -- kernels of other devices -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from ascendspeed.ops._autograd import register_autograd
 from ascendspeed.ops._extension import load_extension
 
 __all__ = ["swiglu", "swiglu_reference", "NPU_KERNELS"]
@@ -48,9 +49,9 @@ def swiglu_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
-# ``inputs`` holds the arguments as called: ``dim`` is absent when a caller relies on its default (-1).
+# ``inputs`` holds every argument, defaults filled in (ascendspeed.ops._autograd.register_autograd).
 def _setup_context(ctx, inputs, output) -> None:
-    x, dim = (*inputs, -1)[:2]
+    x, dim = inputs
     ctx.save_for_backward(x)
     ctx.dim = dim
 
@@ -61,7 +62,7 @@ def _backward(ctx, grad_y: torch.Tensor):
 
 
 def _setup_backward_context(ctx, inputs, output) -> None:
-    grad_y, x, dim = (*inputs, -1)[:3]
+    grad_y, x, dim = inputs
     ctx.save_for_backward(grad_y, x)
     ctx.dim = dim
 
@@ -84,10 +85,8 @@ def _double_backward(ctx, grad_grad_x: torch.Tensor):
     return grad_g.to(grad_y.dtype), torch.cat((grad_a, grad_b), dim).to(x.dtype), None
 
 
-torch.library.register_autograd("ascendspeed::swiglu", _backward, setup_context=_setup_context)
-torch.library.register_autograd(
-    "ascendspeed::swiglu_backward", _double_backward, setup_context=_setup_backward_context
-)
+register_autograd("swiglu", _backward, _setup_context)
+register_autograd("swiglu_backward", _double_backward, _setup_backward_context)
 
 
 # -- kernels of other devices -----------------------------------------------------------------------------

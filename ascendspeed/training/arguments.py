@@ -42,7 +42,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-channels", type=int, default=None, help="default hidden size / attention heads")
     group.add_argument("--seq-length", type=int, default=128)
     group.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
-    # The ones of Megatron-LM's choices (integration.megatron_lm.POSITION_EMBEDDING_TYPES) this entry's
+    # The ones of Megatron-LM's choices (features.megatron_flags.POSITION_EMBEDDING_TYPES) this entry's
     # GPTModel builds: yarn and mrope need flags it does not offer, relative is T5's. Features add theirs.
     group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     group.add_argument("--rotary-percent", type=float, default=1.0)
@@ -386,11 +386,26 @@ def _finalize_model_shape(args: argparse.Namespace) -> None:
              f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: --seq-length "
              f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
+    _finalize_eval_seq_lengths(args)
+
+
+def _finalize_eval_seq_lengths(args: argparse.Namespace) -> None:
+    """Default 1x, 2x and 4x --seq-length. Lengths the user gives follow the rules --seq-length follows
+    where one is switched on (a context-parallel or sequence-parallel split); the defaults are multiples of
+    --seq-length, so only --seq-length's own check (naming --seq-length) can refuse them."""
     if args.eval_seq_lengths is None:
         args.eval_seq_lengths = [args.seq_length * k for k in (1, 2, 4)]
-    cp = args.context_parallel_size
-    _require(all(length % (2 * cp) == 0 for length in args.eval_seq_lengths),
-             f"--eval-seq-lengths must divide by 2 x --context-parallel-size = {2 * cp}")
+        return
+    lengths = args.eval_seq_lengths
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp > 1:
+        _require(all(length % (2 * cp) == 0 for length in lengths),
+                 f"--eval-seq-lengths {' '.join(map(str, lengths))} must each divide by 2 x --context-parallel-size "
+                 f"= {2 * cp}: context parallelism cuts every sequence into 2 x cp equal chunks")
+    if args.sequence_parallel:
+        _require(all(length % tp == 0 for length in lengths),
+                 f"--eval-seq-lengths {' '.join(map(str, lengths))} must each divide by --tensor-model-parallel-size "
+                 f"{tp}: --sequence-parallel splits every sequence over the tensor-parallel ranks")
 
 
 def _finalize_schedule(args: argparse.Namespace) -> None:

@@ -117,3 +117,39 @@ def test_every_feature_flag_and_megatron_argument_is_available():
 def test_position_embedding_choices_start_with_megatrons():
     action = build_parser()._option_string_actions["--position-embedding-type"]
     assert action.choices[:3] == ["learned_absolute", "rope", "none"]
+
+
+@pytest.mark.parametrize("seq_length", [127, 65, 1])
+def test_an_odd_seq_length_runs_without_context_parallelism(seq_length):
+    """Issue 21 item 8: the default evaluation lengths (1x, 2x, 4x) inherit an odd --seq-length; the
+    context-parallel rule (2 x cp) applied at cp 1 and refused every odd length."""
+    args = parse_args(["--seq-length", str(seq_length)], world_size=1, device="cpu")
+    assert args.eval_seq_lengths == [seq_length, 2 * seq_length, 4 * seq_length]
+    explicit = parse_args(["--seq-length", str(seq_length), "--eval-seq-lengths", "33", "99"], world_size=1,
+                          device="cpu")
+    assert explicit.eval_seq_lengths == [33, 99]
+
+
+def test_with_context_parallelism_the_rule_names_the_flag_the_user_gave(capsys):
+    args = parse_args(["--context-parallel-size", "2", "--seq-length", "36"], world_size=2, device="cpu")
+    assert args.eval_seq_lengths == [36, 72, 144]
+    with pytest.raises(SystemExit):  # the default lengths: the message is about --seq-length, not them
+        parse_args(["--context-parallel-size", "2", "--seq-length", "38"], world_size=2, device="cpu")
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert "--seq-length 38 must divide by 2 x --context-parallel-size = 4" in error
+    assert "--eval-seq-lengths" not in error
+    with pytest.raises(SystemExit):
+        parse_args(["--context-parallel-size", "2", "--seq-length", "36", "--eval-seq-lengths", "36", "70"],
+                   world_size=2, device="cpu")
+    assert "--eval-seq-lengths 36 70 must each divide by 2 x --context-parallel-size = 4" in capsys.readouterr().err
+
+
+def test_with_sequence_parallelism_explicit_eval_lengths_must_split_over_tensor_parallel_ranks(capsys):
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "64"]
+    assert parse_args(flags + ["--eval-seq-lengths", "64", "130"], world_size=2, device="cpu").eval_seq_lengths == [
+        64, 130]
+    with pytest.raises(SystemExit):
+        parse_args(flags + ["--eval-seq-lengths", "64", "129"], world_size=2, device="cpu")
+    assert "--eval-seq-lengths 64 129 must each divide by --tensor-model-parallel-size 2" in capsys.readouterr().err
+    assert parse_args(["--tensor-model-parallel-size", "2", "--eval-seq-lengths", "129"], world_size=2,
+                      device="cpu").eval_seq_lengths == [129]
