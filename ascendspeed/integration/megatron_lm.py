@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ascendspeed.integration import dataset_helpers
+from ascendspeed.integration import dataset_helpers, mock_dataset
 from ascendspeed.patching import PatchManager, wrap
 
 FEATURE_NAME = "megatron_lm"
@@ -91,6 +91,7 @@ def patches():
              _wrap_core_transformer_config_from_args, expect="(args, config_class=None)", megatron=">=0.18",
              name="megatron-lm: features carry their settings into the TransformerConfig"),
         *dataset_helpers.patches(),
+        *mock_dataset.patches(),
     ]
 
 
