@@ -476,6 +476,10 @@ def _locate(args: argparse.Namespace, announce: bool) -> Optional[int]:
     if iteration is None:
         return None
     directory = iteration_directory(args.load, iteration)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint tracker {Path(args.load) / TRACKER_FILE} names iteration {iteration}, but "
+                              f"{directory} does not exist: write the iteration of an existing iter_NNNNNNN "
+                              f"directory into the tracker")
     try:
         record = checkpoint_record.read(directory)
     except ValueError as cause:

@@ -524,6 +524,9 @@ def train(args: argparse.Namespace) -> TrainResult:
                 return trainer.run(features)
             finally:
                 trainer.close()
+    except TrainingError as failure:  # every rank raises it together, each with its own message
+        error = failure
+        raise
     except RuntimeError as failure:  # a collective failed: name the rank that left, if it said so
         error = failure
         left = guard.peers_that_left() if guard is not None else []

@@ -47,7 +47,7 @@ class Progress:
         self.since = time.time()
 
     def describe(self) -> str:
-        return f"{self.phase} at iteration {self.iteration}"
+        return self.phase if "iteration" in self.phase else f"{self.phase} at iteration {self.iteration}"
 
 
 PROGRESS = Progress()
