@@ -95,6 +95,9 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--distributed-backend", default=None, choices=["gloo", "nccl", "hccl"],
                        help="default: nccl on CUDA, hccl on NPU; the CPU always uses gloo")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    group.add_argument("--rank-stall-timeout-seconds", type=float, default=120.0,
+                       help="stop every rank, naming the one at fault, when a rank's heartbeat stops for this long "
+                            "(a frozen or stopped process); 0 switches the watchdog off")
 
 
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -247,6 +250,7 @@ NON_NEGATIVE = {
     "--init-method-std": "init_method_std",
     "--sgd-momentum": "sgd_momentum",
     "--eval-interval": "eval_interval",
+    "--rank-stall-timeout-seconds": "rank_stall_timeout_seconds",
 }
 
 _PROBABILITY = ("[0, 1)", lambda value: 0 <= value < 1)

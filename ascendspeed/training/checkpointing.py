@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import random
 import shutil
@@ -29,11 +30,16 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from ascendspeed.training import checkpoint_record, optimizer_state, watchdog
 from ascendspeed.training.errors import CheckpointError, ResumeError
-from ascendspeed.training.model import unwrap
+from ascendspeed.training.model import unwrap, vocab_size
 from ascendspeed.training.progress import print_rank_0
+from ascendspeed.training.save_lock import SaveDirectoryLock
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+#: Temporary files being written now, for an exit that cannot unwind (the watchdog's).
+_IN_FLIGHT: set[Path] = set()
 STATE_KEYS = ("iteration", "layout", "model", "optimizer", "distributed_optimizer", "scheduler", "rng")
 
 #: The learning-rate schedule a checkpoint records (``OptimizerParamScheduler.state_dict``) and the flag
@@ -62,6 +68,16 @@ class Layout:
     def of(cls, args: argparse.Namespace) -> "Layout":
         return cls(args.world_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                    args.virtual_pipeline_model_parallel_size, args.use_distributed_optimizer)
+
+
+#: The flag behind each ``Layout`` field, for messages.
+LAYOUT_FLAGS = {
+    "world_size": "world size (torchrun --nproc-per-node x nodes)",
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "virtual_pipeline_model_parallel_size": "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)",
+    "use_distributed_optimizer": "--use-distributed-optimizer",
+}
 
 
 def iteration_directory(directory: str, iteration: int) -> Path:
@@ -115,16 +131,37 @@ def _unshare_step_counters(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
-def _cause(error: BaseException) -> str:
-    """The error and the operating-system error under it: torch's writer reports a full disk as
-    "unexpected pos 704 vs 598" and keeps the ``OSError`` (ENOSPC, EFBIG) only as its context."""
-    text = f"{type(error).__name__}: {error}".strip().rstrip(":")
-    inner = error.__cause__ or error.__context__
+def _os_error(error: BaseException) -> Optional[OSError]:
+    """``error`` itself or the ``OSError`` under it: torch's writer reports a full disk as "unexpected pos
+    704 vs 598" and keeps the ``OSError`` (ENOSPC, EFBIG) only as its context."""
+    inner = error
     while inner is not None and not isinstance(inner, OSError):
         inner = inner.__cause__ or inner.__context__
+    return inner
+
+
+def _cause(error: BaseException) -> str:
+    """The error and the operating-system error under it."""
+    text = f"{type(error).__name__}: {error}".strip().rstrip(":")
+    inner = _os_error(error)
     if inner is not None and inner is not error:
         text += f" (caused by {type(inner).__name__}: {inner.strerror or inner})"
     return text
+
+
+def _write_advice(error: BaseException, path: Path) -> str:
+    """What to do about a failed write, from its operating-system cause: a full disk is not a read-only
+    directory, and neither is a file-size limit."""
+    code = getattr(_os_error(error), "errno", None)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"{path.parent} is not writable ({os.strerror(code)}): make it writable for this user or choose "
+                f"another --save")
+    if code == errno.EFBIG:
+        return (f"a file-size limit stops it ({_free_space(path)}): raise the limit (ulimit -f, or the file "
+                f"system's largest file) or choose another --save")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk or quota is full ({_free_space(path)}): free space or choose another --save"
+    return f"({_free_space(path)}) fix the cause above or choose another --save"
 
 
 def _free_space(path: Path) -> str:
@@ -148,9 +185,16 @@ def _sync_directory(directory: Path) -> None:
         os.close(handle)
 
 
+def temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
 def atomic_write(path: Path, write: Callable) -> None:
-    """Write ``path`` through ``write(binary file)`` under a temporary name, fsync, then rename over it."""
-    temporary = path.with_name(f".{path.name}.tmp")
+    """Write ``path`` through ``write(binary file)`` under a temporary name, fsync, then rename over it.
+
+    Any exception, a ``Terminated`` raised by the SIGTERM handler included, removes the temporary file."""
+    temporary = temporary_name(path)
+    _IN_FLIGHT.add(temporary)
     try:
         with open(temporary, "wb") as handle:
             write(handle)
@@ -160,12 +204,24 @@ def atomic_write(path: Path, write: Callable) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    finally:
+        _IN_FLIGHT.discard(temporary)
     _sync_directory(path.parent)
+
+
+def remove_in_flight_temporaries() -> None:
+    """For an exit that skips every ``finally`` (``os._exit``): remove the temporary files being written."""
+    for temporary in list(_IN_FLIGHT):
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _raise_if_any_rank_failed(error: Optional[Exception], what: str, device: str) -> None:
     """Collective: every rank learns whether ``what`` failed anywhere, so no rank is left waiting in the
     next collective. The failing ranks raise their own error, the others one naming those ranks."""
+    watchdog.report(f"the all-reduce after {what}")
     failed = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=torch.device(device))
     failed[dist.get_rank()] = int(error is not None)
     dist.all_reduce(failed)
@@ -176,9 +232,55 @@ def _raise_if_any_rank_failed(error: Optional[Exception], what: str, device: str
         raise CheckpointError(f"{what} failed on rank(s) {ranks}; their error names the file and the cause")
 
 
-def check_save_directory(args: argparse.Namespace) -> None:
-    """At start-up, not after the training time is spent: can every rank create files under ``--save``?"""
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Temporary files of saves that were killed before they could clean up (SIGKILL, power loss): a full
+    rank file each, never part of a checkpoint. Only under the lock, so no other run is writing them."""
+    stale = [*directory.glob(f".{TRACKER_FILE}.tmp"), *directory.glob(".write_test_rank_*.tmp"),
+             *directory.glob("iter_*/.*.tmp")]
+    removed = []
+    for path in stale:
+        try:
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _raise_rank_0_failure(error: Optional[CheckpointError]) -> None:
+    """Collective: an error only rank 0 can find (the lock) is raised on every rank with its message."""
+    message = [None if error is None else str(error)]
+    dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise CheckpointError(message[0])
+
+
+def prepare_save_directory(args: argparse.Namespace) -> Optional[SaveDirectoryLock]:
+    """At start-up, not after the training time is spent: create ``--save``, lock it against a second run
+    (rank 0; returns the lock to release at the end), remove temporaries of killed saves, and check that
+    every rank can create files in it."""
     directory = Path(args.save)
+    error, lock = None, None
+    if dist.get_rank() == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            lock = SaveDirectoryLock(directory)
+            warning = lock.acquire()
+            if warning:
+                print_rank_0(warning)
+            removed = remove_stale_temporaries(directory)
+            if removed:
+                print_rank_0(f"removed {len(removed)} temporary file(s) of an interrupted save from {directory}: "
+                             f"{', '.join(str(p.relative_to(directory)) for p in removed)}")
+        except CheckpointError as cause:
+            lock, error = None, cause
+        except OSError:  # reported with the cause by the check below, on every rank
+            if lock is not None:
+                lock.release()
+            lock = None
+    _raise_rank_0_failure(error)
     error = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -188,7 +290,13 @@ def check_save_directory(args: argparse.Namespace) -> None:
     except OSError as cause:
         error = CheckpointError(f"--save {directory} is not writable: {_cause(cause)}; choose a directory this "
                                 f"user can create files in")
-    _raise_if_any_rank_failed(error, f"checking --save {directory}", args.device)
+    try:
+        _raise_if_any_rank_failed(error, f"checking --save {directory}", args.device)
+    except CheckpointError:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
 
 
 def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, scheduler) -> Path:
@@ -209,18 +317,21 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, lambda handle: torch.save(state, handle))
     except (OSError, RuntimeError) as cause:
-        error = CheckpointError(f"cannot write checkpoint file {path}: {_cause(cause)} ({_free_space(path)}); "
-                                f"free space or choose another --save. The previous checkpoint stays the latest.")
+        error = CheckpointError(f"cannot write checkpoint file {path}: {_cause(cause)}; {_write_advice(cause, path)}. "
+                                f"The previous checkpoint stays the latest.")
     _raise_if_any_rank_failed(error, f"saving iteration {iteration}", args.device)
     error = None
     if dist.get_rank() == 0:
         tracker = Path(args.save) / TRACKER_FILE
+        target = path.parent / checkpoint_record.METADATA_FILE
         try:
+            checkpoint_record.write(path.parent, iteration, state["layout"], args, vocab_size(args), atomic_write)
+            target = tracker
             atomic_write(tracker, lambda handle: handle.write(f"{iteration}\n".encode()))
         except OSError as cause:
-            error = CheckpointError(f"cannot write checkpoint tracker {tracker}: {_cause(cause)} "
-                                    f"({_free_space(tracker)}); the files of {path.parent} are complete: write "
-                                    f"{iteration} into the tracker to make it the latest")
+            error = CheckpointError(f"cannot write checkpoint {'tracker' if target == tracker else 'record'} "
+                                    f"{target}: {_cause(cause)}; {_write_advice(cause, target)}. The rank files of "
+                                    f"{path.parent} are complete; the previous checkpoint stays the latest")
     _raise_if_any_rank_failed(error, f"writing the tracker of iteration {iteration}", args.device)
     return path.parent
 
@@ -278,11 +389,57 @@ def _read_rank_file(args: argparse.Namespace, iteration: int) -> dict:
     if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
         raise CheckpointError(f"{path} is not an ascendspeed checkpoint file (it lacks "
                               f"{', '.join(k for k in STATE_KEYS if not isinstance(state, dict) or k not in state)})")
-    saved, current = Layout(**state["layout"]), Layout.of(args)
-    if saved != current:
-        raise CheckpointError(f"checkpoint {directory} was written with {saved}; this run has {current}. "
-                              f"Resume with the same world size and parallel settings.")
+    _check_layout(args, state["layout"], directory)
     return state
+
+
+def _check_layout(args: argparse.Namespace, saved: dict, directory: Path) -> None:
+    """Each rank file holds this rank's part of the model and optimizer: the parallel layout must match.
+    Without the optimizer state (``--no-load-optim``) the distributed optimizer does not matter."""
+    current = dataclasses.asdict(Layout.of(args))
+    changes = [(LAYOUT_FLAGS[key], saved.get(key), value) for key, value in current.items()
+               if saved.get(key) != value and not (key == "use_distributed_optimizer" and args.no_load_optim)]
+    if not changes:
+        return
+    listed = "; ".join(f"{flag}: checkpoint {old}, now {new}" for flag, old, new in changes)
+    hint = (" (or pass --no-load-optim to take only the weights and start the optimizer afresh)"
+            if all(flag == "--use-distributed-optimizer" for flag, _, _ in changes) else "")
+    raise CheckpointError(f"checkpoint {directory} was written with another parallel layout ({listed}): each rank "
+                          f"file holds that layout's share of the state. Resume with the checkpoint's settings{hint}")
+
+
+def _check_record(args: argparse.Namespace, record: Optional[dict], directory: Path, announce: bool) -> None:
+    """Before any weight is read: the model must be the checkpoint's, and its optimizer state must carry
+    over to this run's optimizer (a precision change converts, see ``optimizer_state``)."""
+    if record is None and announce:
+        print_rank_0(f"note: {directory} has no {checkpoint_record.METADATA_FILE} (written before checkpoints "
+                     f"recorded their model): its architecture cannot be compared with this run's flags")
+    if record is None:
+        return
+    saved = record["architecture"]
+    changes = checkpoint_record.differences(saved, checkpoint_record.architecture(args, vocab_size(args)))
+    if changes:
+        raise ResumeError(
+            f"--load {args.load}: checkpoint {directory} holds another model than these flags build "
+            f"({checkpoint_record.describe(changes, saved)}). A checkpoint only resumes into the model that wrote "
+            f"it: pass the checkpoint's values ({checkpoint_record.as_flags(changes, saved)}), or train the new "
+            f"model from scratch without --load")
+    storage = record.get("optimizer_storage", {})
+    current = checkpoint_record.optimizer_storage(args)
+    if not args.no_load_optim and storage.get("--optimizer", args.optimizer) != args.optimizer:
+        raise ResumeError(
+            f"--load {args.load}: --optimizer: checkpoint {storage['--optimizer']}, now {args.optimizer}: the state "
+            f"of one optimizer does not carry over to the other. Resume with --optimizer {storage['--optimizer']}, "
+            f"or pass --no-load-optim to start the new optimizer afresh from the checkpoint's weights")
+    record_layout = record.get("layout")
+    if record_layout is not None:
+        _check_layout(args, record_layout, directory)
+    if (announce and not args.no_load_optim
+            and checkpoint_record.precision(storage) != checkpoint_record.precision(current)):
+        print_rank_0(f"--load {args.load}: the checkpoint trained in {checkpoint_record.precision(storage)}, this "
+                     f"run trains in {checkpoint_record.precision(current)}: its fp32 main weights and optimizer "
+                     f"state carry over unchanged" + (", the fp16 loss scale starts at --initial-loss-scale"
+                                                      if args.fp16 else ""))
 
 
 def schedule_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
@@ -309,25 +466,56 @@ def _reconcile_schedule(args: argparse.Namespace, saved: dict, scheduler) -> Non
                           f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 
 
+def _locate(args: argparse.Namespace, announce: bool) -> Optional[int]:
+    """The iteration to resume from (None: nothing to load), after every check that needs no weights."""
+    iteration = latest_iteration(args.load)
+    if iteration is None and not args.allow_fresh_start:
+        what = "does not exist" if not Path(args.load).exists() else f"holds no checkpoint (no {TRACKER_FILE})"
+        raise CheckpointError(f"--load {args.load} {what}: check the path, or pass --allow-fresh-start to "
+                              f"start from scratch when it holds none")
+    if iteration is None:
+        return None
+    directory = iteration_directory(args.load, iteration)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint tracker {Path(args.load) / TRACKER_FILE} names iteration {iteration}, but "
+                              f"{directory} does not exist: write the iteration of an existing iter_NNNNNNN "
+                              f"directory into the tracker")
+    try:
+        record = checkpoint_record.read(directory)
+    except ValueError as cause:
+        raise CheckpointError(f"{cause}: the checkpoint record is damaged; resume from an earlier checkpoint by "
+                              f"writing its iteration into {Path(args.load) / TRACKER_FILE}") from cause
+    _check_record(args, record, directory, announce)
+    if iteration > args.train_iters:
+        raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
+                          f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
+                          f"{iteration} to continue training")
+    return iteration
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """Collective, at start-up before the data and the model: refuse a ``--load`` that cannot resume with
+    these flags (missing, damaged record, another model or parallel layout, another optimizer)."""
+    error = None
+    try:
+        _locate(args, announce=True)
+    except (CheckpointError, ResumeError) as failure:
+        error = failure
+    _raise_if_any_rank_failed(error, f"checking --load {args.load}", args.device)
+
+
 def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> int:
     """Restore the newest checkpoint under ``args.load``; returns its iteration.
 
     Returns 0 only when ``args.load`` holds no checkpoint at all and ``--allow-fresh-start`` is given;
-    otherwise a missing, empty or damaged checkpoint raises ``CheckpointError`` on every rank.
+    otherwise a missing, empty or damaged checkpoint, or one that does not fit these flags, raises
+    ``CheckpointError`` or ``ResumeError`` on every rank, before any weight is changed.
     """
-    error, state = None, None
+    error, state, iteration = None, None, None
     try:
-        iteration = latest_iteration(args.load)
-        if iteration is None and not args.allow_fresh_start:
-            what = "does not exist" if not Path(args.load).exists() else f"holds no checkpoint (no {TRACKER_FILE})"
-            raise CheckpointError(f"--load {args.load} {what}: check the path, or pass --allow-fresh-start to "
-                                  f"start from scratch when it holds none")
+        iteration = _locate(args, announce=False)
         if iteration is not None:
             state = _read_rank_file(args, iteration)
-            if iteration > args.train_iters:
-                raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
-                                  f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
-                                  f"{iteration} to continue training")
             if not args.no_load_optim:
                 _reconcile_schedule(args, state["scheduler"], scheduler)
     except (CheckpointError, ResumeError) as failure:
@@ -335,18 +523,46 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
     _raise_if_any_rank_failed(error, f"loading {args.load}", args.device)
     if state is None:
         return 0
-    for chunk, chunk_state in zip(model, state["model"], strict=True):
-        unwrap(chunk).load_state_dict(chunk_state)
+    error, gather = None, False
+    try:
+        gather = _restore(args, state, model, optimizer)
+    except (optimizer_state.ConversionError, RuntimeError, KeyError, ValueError, AssertionError) as cause:
+        error = CheckpointError(
+            f"cannot load {rank_file(args.load, iteration)} into this run's model and optimizer: {_cause(cause)}. "
+            f"Resume with the flags that wrote it (its {checkpoint_record.METADATA_FILE} lists them)")
+    _raise_if_any_rank_failed(error, f"loading {args.load}", args.device)
+    if gather:
+        optimizer_state.gather_parameters(model)
     if not args.no_load_optim:
-        optimizer.load_state_dict(state["optimizer"])
-        _unshare_step_counters(optimizer)
-        with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
-            for part, part_state in zip(_distributed_optimizers(optimizer), state["distributed_optimizer"],
-                                        strict=True):
-                part.load_parameter_state_from_dp_reshardable(_mark_no_padding(part_state))
         scheduler.load_state_dict(state["scheduler"])
-    else:
-        optimizer.reload_model_params()
     if not args.no_load_rng:
         _set_rng_state(state["rng"])
     return iteration
+
+
+def _restore(args: argparse.Namespace, state: dict, model, optimizer) -> bool:
+    """Weights and optimizer state into this run's objects (local: no collective). Returns whether the
+    distributed optimizer's main weights must still be gathered into the model (see ``optimizer_state``)."""
+    model_states = state["model"]
+    distributed = bool(_distributed_optimizers(optimizer))
+    saved_optimizer, gather = state["optimizer"], False
+    if not distributed:
+        if args.no_load_optim:
+            optimizer_state.main_weights_into(saved_optimizer, model_states, model, optimizer)
+        else:
+            saved_optimizer = optimizer_state.convert_local(saved_optimizer, model_states, optimizer,
+                                                            model) or saved_optimizer
+    elif not args.no_load_optim:
+        retagged = optimizer_state.retag_distributed(state["distributed_optimizer"], optimizer)
+        gather = retagged and not (args.bf16 or args.fp16)
+    for chunk, chunk_state in zip(model, model_states, strict=True):
+        unwrap(chunk).load_state_dict(chunk_state)
+    if args.no_load_optim:
+        optimizer.reload_model_params()
+        return False
+    optimizer.load_state_dict(saved_optimizer)
+    _unshare_step_counters(optimizer)
+    with torch.no_grad():  # fp32 main params are views of the (grad-requiring) model params
+        for part, part_state in zip(_distributed_optimizers(optimizer), state["distributed_optimizer"], strict=True):
+            part.load_parameter_state_from_dp_reshardable(_mark_no_padding(part_state))
+    return gather

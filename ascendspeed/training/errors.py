@@ -24,3 +24,14 @@ class DataError(TrainingError, ValueError):
 
 class DivergenceError(TrainingError):
     """The loss or the gradient norm is no longer finite: the weights are lost from this iteration on."""
+
+
+class Terminated(BaseException):
+    """SIGTERM (a scheduler's or torchrun's stop) arrived: unwind, removing the temporary file of a save in
+    progress, and exit with 128 + the signal number. A ``BaseException``, so no ``except Exception`` of the
+    code it interrupts swallows it."""
+
+    def __init__(self, signum: int, during: str):
+        super().__init__(f"stopped by signal {signum} during {during}")
+        self.signum = signum
+        self.during = during

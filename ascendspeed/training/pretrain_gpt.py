@@ -23,20 +23,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed", category=UserWarning)
     warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
     from ascendspeed.training.arguments import parse_args
-    from ascendspeed.training.errors import TrainingError
+    from ascendspeed.training.errors import Terminated, TrainingError
     from ascendspeed.training.trainer import train
 
     args = parse_args(argv)
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and args.world_size > 1 else ""
     try:
         train(args)
     except TrainingError as error:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank is not None and args.world_size > 1 else ""
         # One write with its newline: ranks share stderr, and print() writes the text and the newline
         # apart, so another rank's line could land in between.
         sys.stderr.write(f"{prefix}pretrain_gpt: error: {error}\n")
         sys.stderr.flush()
         return 1
+    except Terminated as stop:
+        sys.stderr.write(f"{prefix}pretrain_gpt: {stop}; temporary checkpoint files removed, the latest complete "
+                         f"checkpoint (if any) stays the latest\n")
+        sys.stderr.flush()
+        return 128 + stop.signum
     return 0
 
 

@@ -6,9 +6,12 @@ on every rank, so tests and benchmarks can assert on losses without parsing outp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import math
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -19,8 +22,9 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from ascendspeed.features import AppliedFeature, all_features, apply_features
-from ascendspeed.training import checkpointing, memory
+from ascendspeed.features import AppliedFeature, all_features, apply_features, disable_features
+from ascendspeed.patching import MANAGER
+from ascendspeed.training import checkpointing, memory, watchdog
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
@@ -32,7 +36,7 @@ from ascendspeed.training.data import (
     read_text,
     train_microbatches,
 )
-from ascendspeed.training.errors import CheckpointError, DivergenceError
+from ascendspeed.training.errors import CheckpointError, DivergenceError, Terminated, TrainingError
 from ascendspeed.training.initialize import initialize_parallel, teardown
 from ascendspeed.training.model import (
     build_config,
@@ -99,6 +103,7 @@ def _loss_func(output_tensor: torch.Tensor):
     """Mean next-byte cross entropy of one micro-batch (every position counts: there is no padding).
 
     The reported copy is a clone: the schedule divides the returned loss in place by the micro-batch count."""
+    watchdog.report("backward")
     loss = output_tensor.float().mean()
     return loss, {"lm loss": loss.detach().clone()}
 
@@ -119,6 +124,7 @@ def batch_on_this_context_parallel_rank(batch: dict) -> dict:
 def _forward_step(data_iterator, model):
     """Each context-parallel rank takes its chunks of the sequence; the schedule scales the loss by the
     context-parallel size and DDP averages over data x context parallel ranks, as in Megatron-LM."""
+    watchdog.report("forward")
     batch = batch_on_this_context_parallel_rank(dict(vars(next(data_iterator))))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, _loss_func
@@ -146,7 +152,8 @@ def wire_schedule_hooks(config, model: list, optimizer, *, overlap_grad_reduce: 
         return functions[0] if len(functions) == 1 else functions
 
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = watchdog.reporting(finalize_model_grads,
+                                                          "the gradient all-reduce (finalize_model_grads)")
     if overlap_grad_reduce:
         config.no_sync_func = one_or_list([chunk.no_sync for chunk in model])
         if align_grad_reduce:
@@ -218,8 +225,24 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, device: torch.device):
         self.args = args
         self.device = device
-        if args.save:
-            checkpointing.check_save_directory(args)
+        self.save_lock = checkpointing.prepare_save_directory(args) if args.save else None
+        try:
+            self._build(args, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release ``--save`` for another run."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
+
+    def _build(self, args: argparse.Namespace, device: torch.device) -> None:
+        if args.load:
+            watchdog.report(f"checking --load {args.load}")
+            checkpointing.check_resume(args)
+        watchdog.report("building the model")
         self.splits = TextSplits.from_bytes(read_text(args.data_path), args.split)
         check_text_suffices(self.splits, args, data_parallel_size=parallel_state.get_data_parallel_world_size())
         self.config = build_config(args)
@@ -239,6 +262,7 @@ class Trainer:
 
     def _resume(self) -> None:
         args = self.args
+        watchdog.report(f"loading the checkpoint of --load {args.load}")
         self.iteration = checkpointing.load_checkpoint(args, self.model, self.optimizer, self.scheduler)
         if not self.iteration:
             print_rank_0(f"no checkpoint in {args.load}: starting from scratch (--allow-fresh-start)")
@@ -289,6 +313,7 @@ class Trainer:
             iteration=self.iteration,
             device=self.device,
         )
+        watchdog.report("forward", self.iteration + 1)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -301,10 +326,12 @@ class Trainer:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
+        watchdog.report("the optimizer step")
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
         self.iteration += 1
+        watchdog.report("the loss all-reduce")
         loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
         return loss, grad_norm, updated
 
@@ -328,6 +355,7 @@ class Trainer:
             f"--no-check-for-nan-in-loss-and-grad trains on regardless")
 
     def save(self) -> str:
+        watchdog.report("saving the checkpoint", self.iteration)
         if self.args.check_for_nan_in_loss_and_grad and not _all_finite(self.model, self.device):
             self._diverged(f"iteration {self.iteration}: a parameter is no longer finite")
         directory = checkpointing.save_checkpoint(self.args, self.iteration, self.model, self.optimizer,
@@ -336,6 +364,7 @@ class Trainer:
         return str(directory)
 
     def periodic_validation(self) -> float:
+        watchdog.report("validation")
         windows = self.args.eval_iters * self.args.global_batch_size
         result = self.evaluator.evaluate(self.args.seq_length, max_windows=windows)
         if result.loss is None:
@@ -382,6 +411,7 @@ class Trainer:
         elapsed = time.perf_counter() - log.started
         if self.iteration > start:
             validation.append((self.iteration, self.periodic_validation()))
+        watchdog.report("the final validation")
         final = [self.evaluator.evaluate(length) for length in args.eval_seq_lengths]
         self._print_summary(validation, final, elapsed)
         telemetry = {report.key: report.close_run() for report in reports}
@@ -444,14 +474,69 @@ class Trainer:
         print_rank_0("\n".join(lines))
 
 
+@contextlib.contextmanager
+def _terminate_on_sigterm():
+    """SIGTERM (torchrun, a scheduler) raises ``Terminated`` in the main thread, so the run unwinds: the
+    temporary file of a save in progress is removed, ``--save`` released. Python's default is to die on
+    the spot, leaving a full-size temporary rank file behind. Repeated SIGTERMs (a scheduler's and then
+    torchrun's) are ignored while it unwinds; SIGKILL still ends it at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)
+        received.append(signum)
+        raise Terminated(signum, watchdog.PROGRESS.describe())
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if not received:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+
+
 def train(args: argparse.Namespace) -> TrainResult:
     """Run the job ``args`` describes: device shims, features, process groups, training, teardown."""
     from ascendspeed.adaptor import install
 
     install()
+    already = MANAGER.features()
     features = apply_features(args)
     state = initialize_parallel(args)
+    watchdog.report("start-up", 0)
+    guard, error = None, None
     try:
-        return Trainer(args, state.device).run(features)
+        with _terminate_on_sigterm():
+            guard = watchdog.start(args, on_abort=checkpointing.remove_in_flight_temporaries)
+            trainer = Trainer(args, state.device)
+            try:
+                return trainer.run(features)
+            finally:
+                trainer.close()
+    except TrainingError as failure:  # every rank raises it together, each with its own message
+        error = failure
+        raise
+    except RuntimeError as failure:  # a collective failed: name the rank that left, if it said so
+        error = failure
+        left = guard.peers_that_left() if guard is not None else []
+        if left:
+            error = TrainingError(f"{'; '.join(left)}; this rank stops too (it was in {watchdog.PROGRESS.describe()}: "
+                                  f"{_first_line(failure)})")
+            raise error from failure
+        raise
+    except BaseException as failure:
+        error = failure
+        raise
     finally:
+        if guard is not None:
+            guard.stop(error)
         teardown(state)
+        # A later run in this process without a feature's flag must not run that feature.
+        disable_features([feature.name for feature in features if feature.name not in already])

@@ -215,7 +215,7 @@ def test_a_load_that_finds_nothing_is_an_error_and_never_rolls_back_a_checkpoint
         assert outcome["rollback"][0] == "CheckpointError"
         assert "already holds a checkpoint at iteration 2" in outcome["rollback"][1]
         assert outcome["tracker_after"] == "2\n"
-        assert outcome["files_after"] == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+        assert outcome["files_after"] == [".ascendspeed_save.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
         assert outcome["unwritable"][0] == "CheckpointError"
         assert "is not writable" in outcome["unwritable"][1] and "NotADirectoryError" in outcome["unwritable"][1]
 
@@ -349,3 +349,325 @@ def test_torchrun_exits_non_zero_with_one_line_on_divergence(tmp_path):
         done.stderr[-3000:]
     assert "raise DivergenceError" not in done.stderr  # one line per rank, no traceback from the ranks
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+
+
+# -- round 2 (issue 21) -------------------------------------------------------------------------------------
+#: Every run of a round-2 job decays over the same iterations, so resuming with another --train-iters
+#: needs no schedule flag.
+SCHEDULE = ("--lr-decay-iters", "10")
+
+
+def _digests(tensors) -> list[str]:
+    """Exact fingerprints of ``tensors`` as a sorted list: equal lists mean bit-identical values."""
+    import hashlib
+
+    return sorted(hashlib.sha1(t.detach().float().contiguous().numpy().tobytes()).hexdigest() for t in tensors)
+
+
+def _resumed(world_size, *flags):
+    """Build and resume a trainer as ``train`` does, look inside, then train on; returns what it saw."""
+    from ascendspeed.features import apply_features, disable_features
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.initialize import initialize_parallel, teardown
+    from ascendspeed.training.model import unwrap
+    from ascendspeed.training.trainer import Trainer
+
+    args = parse_args([*TINY, *SCHEDULE, *flags], world_size=world_size)
+    features = apply_features(args)
+    state = initialize_parallel(args)
+    try:
+        trainer = Trainer(args, state.device)
+        gpt = unwrap(trainer.model[0])
+        weights = [param for _, param in gpt.named_parameters()]
+        seen = {"weights": _digests(weights), "start": trainer.iteration}
+        parts = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+        if args.use_distributed_optimizer:
+            shard = parts[0].get_parameter_state_dp_reshardable()
+            entries = [entry for buckets in shard[0].values() for bucket in buckets for entry in bucket]
+            seen["main"] = _digests(entry["param"] for entry in entries)
+            seen["exp_avg"] = _digests(entry["exp_avg"] for entry in entries)
+        else:
+            saved = trainer.optimizer.state_dict()
+            mains = saved.get("fp32_from_fp16_params")
+            seen["main"] = _digests(t for group in mains for t in group) if mains else seen["weights"]
+            inner = saved.get("optimizer", saved)
+            seen["exp_avg"] = _digests(s["exp_avg"] for s in inner["state"].values())
+        seen["losses"] = trainer.run(features).losses
+        trainer.close()
+        return seen
+    finally:
+        teardown(state)
+        disable_features(features)
+
+
+def _saved(directory, rank):
+    """What a rank file of the newest checkpoint in ``directory`` holds, fingerprinted."""
+    import torch
+
+    iteration = int((Path(directory) / "latest_checkpointed_iteration.txt").read_text())
+    state = torch.load(Path(directory) / f"iter_{iteration:07d}" / f"rank_{rank:05d}.pt", weights_only=False)
+    names = [name for name, value in state["model"][0].items() if torch.is_tensor(value)]
+    saved = {"weights": _digests(state["model"][0][name] for name in names)}
+    optimizer = state["optimizer"]
+    if state["distributed_optimizer"]:
+        shard = state["distributed_optimizer"][0]
+        entries = [entry for buckets in shard[0].values() for bucket in buckets for entry in bucket]
+        saved["main"] = _digests(entry["param"] for entry in entries)
+        saved["exp_avg"] = _digests(entry["exp_avg"] for entry in entries)
+    elif "fp32_from_fp16_params" in optimizer:
+        saved["main"] = _digests(t for group in optimizer["fp32_from_fp16_params"] for t in group)
+        saved["exp_avg"] = _digests(s["exp_avg"] for s in optimizer["optimizer"]["state"].values())
+    else:
+        saved["main"] = saved["weights"]
+        saved["exp_avg"] = _digests(s["exp_avg"] for s in optimizer["state"].values())
+    return saved
+
+
+#: Resumes that change the model or the optimizer: flags -> what the refusal must say.
+REFUSED_RESUMES = {
+    "rope": (["--position-embedding-type", "rope"],
+             ["--position-embedding-type: checkpoint alibi, now rope", "pass the checkpoint's values "
+              "(--position-embedding-type alibi)"]),
+    "learned_absolute": (["--position-embedding-type", "learned_absolute"],
+                         ["--position-embedding-type: checkpoint alibi, now learned_absolute"]),
+    "layers": (["--num-layers", "3"], ["--num-layers: checkpoint 2, now 3"]),
+    "vocabulary": (["--make-vocab-size-divisible-by", "512"],
+                   ["padded vocabulary size: checkpoint 256, now 512 (set by --make-vocab-size-divisible-by; the "
+                    "checkpoint used --make-vocab-size-divisible-by 128)"]),
+    "gelu": (["--no-swiglu"], ["--swiglu: checkpoint True, now False", "--ffn-hidden-size: checkpoint 128, now 256",
+                               "--ffn-hidden-size 128 --swiglu"]),
+    "sgd": (["--optimizer", "sgd"], ["--optimizer: checkpoint adam, now sgd", "--no-load-optim"]),
+    "distributed_optimizer": (["--use-distributed-optimizer"],
+                              ["--use-distributed-optimizer: checkpoint False, now True", "--no-load-optim"]),
+    "tensor_parallel": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size: checkpoint 1, now 2"]),
+}
+
+
+def _architecture_and_precision_worker(rank, world_size, root):
+    fp32, bf16, reuse = (str(Path(root) / name) for name in ("fp32", "bf16", "reuse"))
+    _train(world_size, "--train-iters", "2", "--save", fp32, *SCHEDULE)
+    outcomes = {"refused": {case: _train(world_size, "--train-iters", "3", "--load", fp32, *SCHEDULE, *flags)[1]
+                            for case, (flags, _) in REFUSED_RESUMES.items()}}
+    _train(world_size, "--train-iters", "2", "--save", bf16, "--bf16", *SCHEDULE)
+    _train(world_size, "--train-iters", "2", "--save", reuse, "--bf16", "--reuse-fp32-param",
+           "--use-distributed-optimizer", *SCHEDULE)
+    outcomes["saved"] = {name: _saved(path, rank) for name, path in (("fp32", fp32), ("bf16", bf16), ("reuse", reuse))}
+    outcomes["fp32_to_bf16"] = _resumed(world_size, "--train-iters", "3", "--load", fp32, "--bf16")
+    outcomes["bf16_to_fp32"] = _resumed(world_size, "--train-iters", "3", "--load", bf16)
+    outcomes["reuse_to_fp32"] = _resumed(world_size, "--train-iters", "3", "--load", reuse,
+                                         "--use-distributed-optimizer")
+    return outcomes
+
+
+def test_a_resume_into_another_model_is_refused_and_a_precision_change_continues_exactly(tmp_path):
+    import math
+
+    results = run_distributed(_architecture_and_precision_worker, 2, str(tmp_path), timeout=400)
+    for outcome in results:
+        for case, (_, expected) in REFUSED_RESUMES.items():
+            refusal = outcome["refused"][case]
+            assert refusal is not None, f"{case}: resumed without a word"
+            assert refusal[0] in ("ResumeError", "CheckpointError"), (case, refusal)
+            for text in expected:
+                assert text in refusal[1], (case, refusal[1])
+        saved = outcome["saved"]
+        # fp32 -> bf16: the fp32 weights become the main weights, the moments carry over, bit for bit.
+        assert outcome["fp32_to_bf16"]["main"] == saved["fp32"]["weights"]
+        assert outcome["fp32_to_bf16"]["exp_avg"] == saved["fp32"]["exp_avg"]
+        # bf16 -> fp32: the model takes the fp32 main weights, not their bf16 rounding.
+        assert outcome["bf16_to_fp32"]["weights"] == saved["bf16"]["main"] != saved["bf16"]["weights"]
+        assert outcome["bf16_to_fp32"]["exp_avg"] == saved["bf16"]["exp_avg"]
+        # --reuse-fp32-param bf16 with the distributed optimizer -> fp32 with it: every shard's main weights.
+        assert outcome["reuse_to_fp32"]["main"] == saved["reuse"]["main"]
+        assert outcome["reuse_to_fp32"]["exp_avg"] == saved["reuse"]["exp_avg"]
+        assert outcome["reuse_to_fp32"]["weights"] != saved["reuse"]["weights"]
+        for case in ("fp32_to_bf16", "bf16_to_fp32", "reuse_to_fp32"):
+            assert outcome[case]["start"] == 2 and len(outcome[case]["losses"]) == 1, case
+            assert math.isfinite(outcome[case]["losses"][0]), case
+    # Every rank's fp32 model holds every shard's main weights (gathered), so the ranks agree.
+    assert results[0]["reuse_to_fp32"]["weights"] == results[1]["reuse_to_fp32"]["weights"]
+
+
+#: Another process holding the ``--save`` lock: what a second run of the entry on that directory meets.
+HOLD_SAVE_LOCK = """
+import sys
+from pathlib import Path
+from ascendspeed.training.save_lock import SaveDirectoryLock
+lock = SaveDirectoryLock(Path(sys.argv[1]))
+lock.acquire()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def _make_unwritable(path: Path):
+    """Make ``path`` refuse new files, for root too (root ignores permission bits, not the immutable
+    attribute); returns the undo, or None where the file system cannot."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return lambda: path.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        return None
+    return lambda: subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def _save_directory_worker(rank, world_size, root):
+    import torch.distributed as dist
+
+    directory = Path(root) / "ckpt"
+    outcomes, holder, undo = {}, None, None
+    if rank == 0:
+        directory.mkdir(parents=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_SAVE_LOCK, str(directory)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        assert holder.stdout.readline().strip() == "locked"
+        outcomes["holder"] = holder.pid
+    dist.barrier()
+    _, outcomes["busy"] = _train(world_size, "--train-iters", "2", "--save", str(directory), *SCHEDULE)
+    dist.barrier()
+    if rank == 0:
+        holder.kill()  # the holder crashes: its lock must not outlive it
+        holder.wait()
+    dist.barrier()
+    _, outcomes["after_crash"] = _train(world_size, "--train-iters", "2", "--save", str(directory), *SCHEDULE)
+    stale = directory / "iter_0000002" / ".rank_00001.pt.tmp"  # what a SIGKILL during a save leaves
+    blocked = directory / "iter_0000003"
+    dist.barrier()
+    if rank == 0:
+        stale.write_bytes((directory / "iter_0000002" / "rank_00001.pt").read_bytes())
+        blocked.mkdir()
+        undo = _make_unwritable(blocked)
+        outcomes["unwritable_possible"] = undo is not None
+    dist.barrier()
+    try:
+        _, outcomes["unwritable"] = _train(world_size, "--train-iters", "3", "--load", str(directory), "--save",
+                                           str(directory), *SCHEDULE)
+    finally:
+        if undo is not None:
+            undo()
+    outcomes["stale_left"] = stale.exists()
+    outcomes["tracker"] = (directory / "latest_checkpointed_iteration.txt").read_text()
+    return outcomes
+
+
+def test_a_save_directory_in_use_is_refused_and_a_failed_save_names_its_true_cause(tmp_path):
+    from ascendspeed.training.save_lock import SaveDirectoryLock
+
+    results = run_distributed(_save_directory_worker, 2, str(tmp_path), timeout=300)
+    directory = tmp_path / "ckpt"
+    holder = results[0]["holder"]
+    for rank, outcome in enumerate(results):
+        kind, message = outcome["busy"]
+        assert kind == "CheckpointError"
+        assert f"--save {directory} is in use by another run (host " in message and f"pid {holder}," in message
+        assert "choose another --save" in message
+        assert outcome["after_crash"] is None  # the crashed holder's lock went with it
+        assert not outcome["stale_left"]  # removed at start-up
+        if results[0]["unwritable_possible"]:
+            kind, message = outcome["unwritable"]
+            assert kind == "CheckpointError"
+            assert f"cannot write checkpoint file {directory / 'iter_0000003' / f'rank_0000{rank}.pt'}" in message
+            assert f"{directory / 'iter_0000003'} is not writable" in message and "free space" not in message
+        assert outcome["tracker"] == "2\n"
+    lock = SaveDirectoryLock(directory)  # every run above released it
+    assert lock.acquire() is None
+    lock.release()
+
+
+def _entry(tmp_path, *flags):
+    """The entry under torchrun in its own session (so a test can signal the whole job)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
+    ]
+    env = dict(os.environ, ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _worker_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of torchrun's worker process for ``rank`` (from its environment)."""
+    for child in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no worker of rank {rank} under torchrun {launcher.pid}")
+
+
+def _communicate(launcher: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    try:
+        return launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_job(launcher)
+        out, err = launcher.communicate()
+        raise AssertionError(f"the job did not end within {timeout:.0f} s:\n{out[-2000:]}\n{err[-4000:]}") from None
+
+
+def _stop_job(launcher: subprocess.Popen) -> None:
+    if launcher.poll() is None:
+        os.killpg(launcher.pid, 9)
+        launcher.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
+def test_a_frozen_rank_stops_every_rank_within_the_stall_timeout_naming_it(tmp_path):
+    import time
+
+    launcher = _entry(tmp_path, "--train-iters", "100000", "--log-interval", "1", "--rank-stall-timeout-seconds", "4")
+    try:
+        for line in launcher.stdout:  # training runs: both ranks are past start-up
+            if re.match(r"iteration +3/", line):
+                break
+        frozen = _worker_pid(launcher, 1)
+        os.kill(frozen, 19)  # SIGSTOP
+        stopped = time.monotonic()
+        _, err = _communicate(launcher, timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        _stop_job(launcher)
+    assert launcher.returncode != 0
+    line = re.search(r"^\[rank 0\] pretrain_gpt: error: rank 1 \(host \S+, pid (\d+)\) stopped making progress: no "
+                     r"heartbeat for \d+ s \(--rank-stall-timeout-seconds 4\); it last reported (.+?) at iteration "
+                     r"(\d+) .*killed the frozen process", err, re.M)
+    assert line, err[-3000:]
+    print(line.group(0), f"\nstopped {took:.1f} s after SIGSTOP")
+    assert int(line.group(1)) == frozen and int(line.group(3)) >= 1  # its last beat, up to 0.5 s old
+    assert line.group(2) in ("forward", "backward", "the optimizer step", "the loss all-reduce",
+                             "the gradient all-reduce (finalize_model_grads)"), line.group(2)
+    assert took < 30, f"the job took {took:.0f} s to stop"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs a POSIX process group")
+def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
+    import glob
+    import time
+
+    directory = tmp_path / "ckpt"
+    launcher = _entry(tmp_path, "--hidden-size", "256", "--train-iters", "1000", "--save", str(directory),
+                      "--save-interval", "1")
+    try:
+        deadline = time.monotonic() + 200
+        while not glob.glob(str(directory / "iter_*" / ".rank_*.pt.tmp")):
+            assert launcher.poll() is None and time.monotonic() < deadline, "no save began"
+            time.sleep(0.001)
+        os.killpg(launcher.pid, 15)  # SIGTERM to torchrun, which passes it on to its workers
+        _, err = _communicate(launcher, timeout=90)
+    finally:
+        _stop_job(launcher)
+    assert launcher.returncode != 0
+    print("\n".join(re.findall(r"^\[rank \d\] pretrain_gpt: .*$", err, re.M)))
+    stopped = re.findall(r"^\[rank (\d)\] pretrain_gpt: stopped by signal 15 during (.+?)(?: at iteration \d+)?; "
+                         r"temporary checkpoint files removed", err, re.M)
+    assert "saving the checkpoint" in [phase for _, phase in stopped], err[-3000:]
+    # A rank the signal found waiting for the other in a collective names the rank that left.
+    left = re.findall(r"^\[rank (\d)\] pretrain_gpt: error: rank \d \(host \S+, pid \d+\) left the run with Terminated: "
+                      r"stopped by signal 15", err, re.M)
+    assert sorted([rank for rank, _ in stopped] + left) == ["0", "1"], err[-3000:]
+    assert not re.search(r"^\[rank\d\]:Traceback", err, re.M), err[-3000:]
+    assert not list(directory.rglob("*.tmp"))
+    tracker = directory / "latest_checkpointed_iteration.txt"
+    if tracker.exists():  # whatever is the latest is complete
+        latest = directory / f"iter_{int(tracker.read_text()):07d}"
+        assert sorted(p.name for p in latest.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
