@@ -1,6 +1,5 @@
 """--position-embedding-type alibi on real megatron-core: attention against float64, GPT, TP=2, training."""
 import argparse
-import tempfile
 
 import pytest
 import torch
@@ -27,16 +26,10 @@ from tests.helpers.megatron_lm import add_megatron_lm_to_path
 @pytest.fixture(scope="module")
 def megatron_world():
     """A one-process gloo world with megatron's parallel state, and the alibi feature's patches."""
-    with tempfile.TemporaryDirectory() as rendezvous:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1
-        )
-        mu.initialize_parallel(tp=1)
+    with mu.one_process_world():
         enable_features(position_embedding_type="alibi")
         yield
         disable_features(["alibi"])
-        mu.destroy_parallel()
-        torch.distributed.destroy_process_group()
 
 
 def reference_attention(q, k, v, slopes, q_offset):

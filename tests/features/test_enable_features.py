@@ -4,7 +4,6 @@ Values are checked against the choices and types of the flags (``feature_parser`
 ``--list`` parser shares); a second call replaces the first instead of adding to it; a call that fails
 leaves the previous selection applied.
 """
-import tempfile
 
 import pytest
 import torch
@@ -34,12 +33,8 @@ FUSED_NODE = "GeneratedBackwardFor_ascendspeed_swiglu_defaultBackward"
 
 @pytest.fixture(scope="module")
 def megatron_world():
-    with tempfile.TemporaryDirectory() as rendezvous:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
-        mu.initialize_parallel(tp=1)
+    with mu.one_process_world():
         yield
-        mu.destroy_parallel()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +50,7 @@ def applied_features():
 @pytest.mark.parametrize("settings, message", [
     (dict(position_embedding_type="alibbi"),
      "position_embedding_type='alibbi' is not a choice of --position-embedding-type; choose from "
-     "'learned_absolute', 'rope', 'mrope', 'relative', 'none', 'alibi'"),
+     "'learned_absolute', 'rope', 'yarn', 'mrope', 'relative', 'none', 'alibi'"),
     (dict(normalization="rmsnorm", use_fused_rmsnorm=True), "'rmsnorm' is not a choice of --normalization"),
     (dict(context_parallel_size=2, context_parallel_algo="ring"), "'ring' is not a choice of --context-parallel-algo"),
     (dict(swiglu=True, use_fused_swiglu=1), r"use_fused_swiglu \(--use-fused-swiglu\) is an on/off flag: pass True"),

@@ -1,6 +1,5 @@
 """--use-fused-swiglu on real megatron-core: flags, patches, MLP equivalence, and 2-rank training."""
 import argparse
-import tempfile
 
 import pytest
 import torch
@@ -31,12 +30,8 @@ FUSED_BACKWARD_NODE = "GeneratedBackwardFor_ascendspeed_swiglu_defaultBackward"
 @pytest.fixture(scope="module")
 def megatron_world():
     """A one-process gloo world with megatron's parallel state (the feature is switched per test)."""
-    with tempfile.TemporaryDirectory() as rendezvous:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
-        mu.initialize_parallel(tp=1)
+    with mu.one_process_world():
         yield
-        mu.destroy_parallel()
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture

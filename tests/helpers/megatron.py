@@ -29,8 +29,10 @@ names (``decoder.layers.<global index>...``), whatever the tensor/pipeline layou
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
+import tempfile
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -96,6 +98,19 @@ def initialize_parallel(tp: int = 1, pp: int = 1, vpp: Optional[int] = None, see
 
 def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def one_process_world():
+    """A one-process gloo world with megatron's parallel state, for tests that run in the pytest process."""
+    with tempfile.TemporaryDirectory() as rendezvous:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}/store", rank=0, world_size=1)
+        initialize_parallel(tp=1)
+        try:
+            yield
+        finally:
+            destroy_parallel()
+            torch.distributed.destroy_process_group()
 
 
 def build_gpt_model(config: TransformerConfig, shape: Optional[TinyGPT] = None, vp_stage: Optional[int] = None,
