@@ -617,9 +617,12 @@ def test_a_frozen_rank_stops_every_rank_within_the_stall_timeout_naming_it(tmp_p
 
     launcher = _entry(tmp_path, "--train-iters", "100000", "--log-interval", "1", "--rank-stall-timeout-seconds", "4")
     try:
-        for line in launcher.stdout:  # training runs: both ranks are past start-up
-            if re.match(r"iteration +3/", line):
-                break
+        trained_since = None
+        for line in launcher.stdout:  # training runs: both ranks are past start-up ...
+            if trained_since is None and re.match(r"iteration +3/", line):
+                trained_since = time.monotonic()
+            if trained_since is not None and time.monotonic() > trained_since + 1.5:
+                break  # ... and the heartbeats (every 0.5 s) have reported training iterations
         frozen = _worker_pid(launcher, 1)
         os.kill(frozen, 19)  # SIGSTOP
         stopped = time.monotonic()
