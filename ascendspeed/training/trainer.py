@@ -493,6 +493,12 @@ def _terminate_on_sigterm():
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
+    except Terminated:
+        raise
+    except BaseException as failure:
+        if received:  # the signal's exception came back re-wrapped (Python 3.11's pickle: a PicklingError)
+            raise Terminated(received[0], watchdog.PROGRESS.describe()) from failure
+        raise
     finally:
         if not received:
             signal.signal(signal.SIGTERM, previous)
