@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ascendspeed.training.trainer import batch_on_this_context_parallel_rank
 from tests.helpers.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # a 2-rank and a 4-rank job of several minutes each on 2 cores
@@ -49,13 +50,6 @@ def _loss_and_gradients(model, batch, group):
         for grad in grads.values():
             torch.distributed.all_reduce(grad, group=group)
     return loss, grads
-
-
-def get_batch_on_this_cp_rank(batch):
-    """megatron-core's balanced split of a batch for this context-parallel rank, as the entry makes it."""
-    from ascendspeed.training.trainer import batch_on_this_context_parallel_rank
-
-    return batch_on_this_context_parallel_rank(batch)
 
 
 def _compare(rank, world_size, cases):
@@ -102,7 +96,7 @@ def _compare(rank, world_size, cases):
             config = shape.config(context_parallel_size=cp, **gqa)
             model = build_gpt_model(config, shape, position_embedding_type=position_type)
             load_full_parameters([model], full)
-            local = get_batch_on_this_cp_rank(dict(batch))
+            local = batch_on_this_context_parallel_rank(dict(batch))
             assert local["tokens"].shape[1] == shape.seq_length // cp
             loss, grads = _loss_and_gradients(model, local, parallel_state.get_context_parallel_group())
             errors = {
@@ -189,7 +183,7 @@ def _train_losses(rank, world_size, use_distributed_optimizer, overlap_grad_redu
             def forward_step(iterator, model):
                 micro = next(iterator)
                 if cp_split:
-                    micro = get_batch_on_this_cp_rank(dict(micro))
+                    micro = batch_on_this_context_parallel_rank(dict(micro))
                 output = model(micro["tokens"], micro["position_ids"], micro["attention_mask"],
                                labels=micro["labels"])
 
