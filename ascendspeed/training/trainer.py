@@ -5,12 +5,14 @@ on every rank, so tests and benchmarks can assert on losses without parsing outp
 """
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import dataclasses
 import inspect
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Optional
@@ -479,18 +481,39 @@ def _terminate_on_sigterm():
     """SIGTERM (torchrun, a scheduler) raises ``Terminated`` in the main thread, so the run unwinds: the
     temporary file of a save in progress is removed, ``--save`` released. Python's default is to die on
     the spot, leaving a full-size temporary rank file behind. Repeated SIGTERMs (a scheduler's and then
-    torchrun's) are ignored while it unwinds; SIGKILL still ends it at once."""
+    torchrun's) are ignored while it unwinds; SIGKILL still ends it at once.
+
+    A signal's handler runs at whatever bytecode the main thread is at, which can be a weakref callback or a
+    ``__del__`` (torch.save drops such references): Python cannot propagate an exception from there, it
+    only reports it through ``sys.unraisablehook``. That hook sees the swallowed ``Terminated`` and marks
+    the signal pending again, so it is raised at the next ordinary statement instead of being lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    received = []
+    received: list[int] = []
+    raising = []  # non-empty from raising Terminated until it is known to be lost
 
     def handler(signum, frame):
-        signal.signal(signum, signal.SIG_IGN)
+        if raising:
+            return
         received.append(signum)
+        raising.append(signum)
         raise Terminated(signum, watchdog.PROGRESS.describe())
 
+    previous_unraisable_hook = sys.unraisablehook
+
+    def redeliver_swallowed_termination(unraisable):
+        if not (isinstance(unraisable.exc_value, Terminated) and raising):
+            previous_unraisable_hook(unraisable)
+            return
+        raising.clear()
+        # From another thread, so the signal is only marked pending: raised in the main thread here, the
+        # handler would run at once, inside this hook, and be swallowed again. A bare _thread, since
+        # threading.Thread.start() waits in Python code, where the handler would run just the same.
+        _thread.start_new_thread(_thread.interrupt_main, (unraisable.exc_value.signum,))
+
     previous = signal.signal(signal.SIGTERM, handler)
+    sys.unraisablehook = redeliver_swallowed_termination
     try:
         yield
     except Terminated:
@@ -500,8 +523,8 @@ def _terminate_on_sigterm():
             raise Terminated(received[0], watchdog.PROGRESS.describe()) from failure
         raise
     finally:
-        if not received:
-            signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_unraisable_hook
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if received else previous)
 
 
 def _first_line(error: BaseException) -> str:

@@ -674,3 +674,36 @@ def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
     if tracker.exists():  # whatever is the latest is complete
         latest = directory / f"iter_{int(tracker.read_text()):07d}"
         assert sorted(p.name for p in latest.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+
+
+def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
+    """Python swallows an exception raised inside a weakref callback (it only reports it as "Exception
+    ignored in"); a SIGTERM whose handler ran there must still stop the run (CI saw a rank save on after it)."""
+    import signal
+    import time
+    import weakref
+
+    from ascendspeed.training.errors import Terminated
+    from ascendspeed.training.trainer import _terminate_on_sigterm
+
+    class Referent:
+        pass
+
+    def callback(_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # the handler runs at one of these bytecodes, inside the callback
+            pass
+
+    previous = signal.getsignal(signal.SIGTERM)
+    ran_after_the_signal = []
+    try:
+        with pytest.raises(Terminated, match="stopped by signal 15"):
+            with _terminate_on_sigterm():
+                referent = Referent()
+                reference = weakref.ref(referent, callback)
+                del referent
+                time.sleep(5)  # the run goes on (before the fix: to its end, saving on)
+                ran_after_the_signal.append(reference)
+        assert not ran_after_the_signal
+    finally:
+        signal.signal(signal.SIGTERM, previous)
