@@ -19,6 +19,12 @@
   sends from a background thread that reads the freed memory, so the next stage sometimes receives
   garbage (NaN losses, at random). On the CPU the pseudo-free still happens (``custom_backward`` relies on
   it) but the tensor keeps a reference to its old storage, released with the tensor after backward.
+* ``parallel_state.destroy_model_parallel`` forgets the groups ``initialize_model_parallel`` made but
+  destroys only its ``*_GLOO`` ones (NCCL communicators are made lazily and cost nothing until used). A
+  gloo group starts its threads when it is made: a process that sets the parallel state up again and
+  again (Megatron's unit tests, ascendspeed's) kept every earlier state's groups alive, ~700 threads per
+  rank after a dozen set-ups, all of them waking up. The groups made during ``initialize_model_parallel``
+  are destroyed with the state.
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ import functools
 import logging
 
 import torch
+import torch.distributed as dist
 
-from ascendspeed.patching import replace, wrap
+from ascendspeed.patching import EXISTS, replace, wrap
 
 #: gloo message tags of the two pipeline directions (0 stays the default of all other traffic).
 ACTIVATION_TAG = 1
@@ -120,4 +127,48 @@ def p2p_patches():
         wrap("megatron.core.pipeline_parallel.schedules:deallocate_output_tensor", _wrap_deallocate_output_tensor,
              expect="(out, deallocate_pipeline_outputs=False)",
              name="gloo p2p: keep sent activations' memory while gloo may still read it"),
+    ]
+
+
+def _live_process_groups() -> list:
+    # torch keeps no public list of the groups a process has made; this is the map destroy_process_group
+    # itself consults.
+    return list(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else []
+
+
+def process_group_patches():
+    """Destroy the groups of a model-parallel state with it; the record of them lives in these patches."""
+    made_by_initialize: list = []
+
+    def wrap_initialize(original):
+        @functools.wraps(original)
+        def initialize_model_parallel(*args, **kwargs):
+            before = set(_live_process_groups())
+            try:
+                return original(*args, **kwargs)
+            finally:
+                made_by_initialize.extend(group for group in _live_process_groups() if group not in before)
+
+        return initialize_model_parallel
+
+    def wrap_destroy(original):
+        @functools.wraps(original)
+        def destroy_model_parallel(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            finally:
+                live = set(_live_process_groups())  # Megatron destroyed its *_GLOO groups itself
+                for group in reversed(made_by_initialize):
+                    if group in live:
+                        dist.destroy_process_group(group)
+                made_by_initialize.clear()
+
+        return destroy_model_parallel
+
+    # Both wrappers pass every argument through, so the releases' differing signatures do not matter.
+    return [
+        wrap("megatron.core.parallel_state:initialize_model_parallel", wrap_initialize, expect=EXISTS,
+             name="gloo groups: record the groups the model-parallel state makes"),
+        wrap("megatron.core.parallel_state:destroy_model_parallel", wrap_destroy, expect="()",
+             name="gloo groups: destroy them with the state (their threads end)"),
     ]
