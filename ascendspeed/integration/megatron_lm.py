@@ -50,9 +50,11 @@ def _wrap_add_megatron_arguments(original):
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - mirrors Megatron-LM's signature
-        from ascendspeed.accelerator import cpu_megatron_lm
+        from ascendspeed.accelerator import cpu_megatron_lm, te_fallback
         from ascendspeed.features import apply_features
 
+        if te_fallback.needed():
+            te_fallback.check_arguments(args)
         environment = contextlib.nullcontext()
         if _on_cpu():
             cpu_megatron_lm.check_cpu_arguments(args)
