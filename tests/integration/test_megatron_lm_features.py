@@ -212,6 +212,22 @@ def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher
     assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
 
 
+def test_transformer_engine_spec_without_transformer_engine(launcher):
+    """Megatron-LM's default --transformer-impl transformer_engine, given explicitly, where TE is not installed:
+    its TE layer spec builds on megatron-core's local modules (accelerator.te_fallback) with TP 2 and sequence
+    parallelism, and ascendspeed's fused RMSNorm (inside the layer-norm linears), SwiGLU and RoPE run in it."""
+    flags = [*TP_COMPARABLE[:TP_COMPARABLE.index("--transformer-impl")], "--transformer-impl", "transformer_engine",
+             *TP_COMPARABLE[TP_COMPARABLE.index("--transformer-impl") + 2:], "--sequence-parallel",
+             "--normalization", "RMSNorm", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
+             "--use-fused-rotary-pos-emb"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu, local_norm, fused_rope", [RMS_NORM_OP, SWIGLU_OP, ROTARY_OP])
+    # per micro-batch forward: the norms of the two layer-norm linears per layer + the final norm; one SwiGLU
+    # per layer; rotary on q and k per layer
+    assert {n for (_, target), n in calls.items() if target == RMS_NORM_OP} == {(2 * 2 + 1) * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
+
+
 #: Context-parallel runs against one process: no dropout (its masks differ with the sequence split) and RoPE
 #: (Megatron-LM's JIT warm-up draws seq-length / cp random numbers before the learned position embedding
 #: is initialised, so that embedding would start differently).

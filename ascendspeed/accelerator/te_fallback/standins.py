@@ -16,8 +16,6 @@ import importlib
 from ascendspeed.patching import ABSENT, Patch, describe_signature, replace
 
 _MODULES = "ascendspeed.accelerator.te_fallback.modules"
-_TE = "megatron.core.extensions.transformer_engine"
-_GPT_SPECS = "megatron.core.models.gpt.gpt_layer_specs"
 #: What ``describe_signature`` says of a name megatron-core sets to None where TE is absent.
 _NONE = describe_signature(None)
 
@@ -105,37 +103,67 @@ _ATTENTION = ("config, layer_number, attn_mask_type, attention_type, attention_d
               "k_channels=None, v_channels=None")
 
 
-def _te(name: str, stand_in: type, expect: str, megatron: str) -> Patch:
-    return replace(f"{_TE}:{name}", stand_in, expect=f"({expect})", megatron=megatron,
-                   name=f"TE fallback: replace {name} with megatron-core's local modules")
+def _name(name: str) -> str:
+    return f"TE fallback: replace {name} with megatron-core's local modules"
 
 
 def patches() -> list[Patch]:
     gpt = "TE fallback: gpt_layer_specs' TE spec provider and TENorm"
     return [
-        _te("TENorm", TENorm, "config, hidden_size, eps=1e-05", "<0.17"),
-        _te("TENorm", TENorm, "config, hidden_size, eps=1e-05, has_residual=False", ">=0.17"),
-        _te("TELinear", TELinear, _LINEAR, "<0.18"),
-        _te("TELinear", TELinear, _LINEAR + ", name=None", ">=0.18,<0.19"),
-        _te("TELinear", TELinear, _LINEAR + ", name=None, gtp_remat_group=None", ">=0.19"),
-        _te("TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, _COLUMN, "<0.16"),
-        _te("TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, _COLUMN + ", stride=1",
-            ">=0.16,<0.18"),
-        _te("TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, _COLUMN + ", stride=1, name=None",
-            ">=0.18"),
-        _te("TEColumnParallelLinear", TEColumnParallelLinear, _COLUMN, "<0.16"),
-        _te("TEColumnParallelLinear", TEColumnParallelLinear, _COLUMN + ", stride=1", ">=0.16,<0.18"),
-        _te("TEColumnParallelLinear", TEColumnParallelLinear, _COLUMN + ", stride=1, name=None", ">=0.18"),
-        _te("TERowParallelLinear", TERowParallelLinear, _ROW, "<0.18"),
-        _te("TERowParallelLinear", TERowParallelLinear, _ROW + ", name=None", ">=0.18"),
-        _te("TEDotProductAttention", TEDotProductAttention,
-            _ATTENTION + ", cp_comm_type='p2p', pg_collection=None", "<0.16"),
-        _te("TEDotProductAttention", TEDotProductAttention,
-            _ATTENTION + ", num_splits=None, cp_comm_type='p2p', pg_collection=None", ">=0.16"),
+        replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
+                expect="(config, hidden_size, eps=1e-05)",
+                megatron="<0.17", name=_name("TENorm")),
+        replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
+                expect="(config, hidden_size, eps=1e-05, has_residual=False)",
+                megatron=">=0.17", name=_name("TENorm")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR})",
+                megatron="<0.18", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR}, name=None)",
+                megatron=">=0.18,<0.19", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR}, name=None, gtp_remat_group=None)",
+                megatron=">=0.19", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN})",
+                megatron="<0.16", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1)",
+                megatron=">=0.16,<0.18", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1, name=None)",
+                megatron=">=0.18", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN})",
+                megatron="<0.16", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1)",
+                megatron=">=0.16,<0.18", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1, name=None)",
+                megatron=">=0.18", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TERowParallelLinear", TERowParallelLinear,
+                expect=f"({_ROW})",
+                megatron="<0.18", name=_name("TERowParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TERowParallelLinear", TERowParallelLinear,
+                expect=f"({_ROW}, name=None)",
+                megatron=">=0.18", name=_name("TERowParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEDotProductAttention", TEDotProductAttention,
+                expect=f"({_ATTENTION}, cp_comm_type='p2p', pg_collection=None)",
+                megatron="<0.16", name=_name("TEDotProductAttention")),
+        replace("megatron.core.extensions.transformer_engine:TEDotProductAttention", TEDotProductAttention,
+                expect=f"({_ATTENTION}, num_splits=None, cp_comm_type='p2p', pg_collection=None)",
+                megatron=">=0.16", name=_name("TEDotProductAttention")),
         # gpt_layer_specs binds TESpecProvider and TENorm only where TE imports: before 0.17 the names are
         # missing, from 0.17 they are None.
-        replace(f"{_GPT_SPECS}:TESpecProvider", TESpecProvider, expect=ABSENT, megatron="<0.17", name=gpt),
-        replace(f"{_GPT_SPECS}:TENorm", TENorm, expect=ABSENT, megatron="<0.17", name=gpt),
-        replace(f"{_GPT_SPECS}:TESpecProvider", TESpecProvider, expect=_NONE, megatron=">=0.17", name=gpt),
-        replace(f"{_GPT_SPECS}:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
+                expect=ABSENT, megatron="<0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=ABSENT, megatron="<0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
+                expect=_NONE, megatron=">=0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
     ]
