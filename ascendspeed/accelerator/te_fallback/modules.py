@@ -6,7 +6,6 @@ the context ``[s, b, heads * v_channels]`` for the attention.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -15,6 +14,8 @@ from megatron.core.extensions.transformer_engine_spec_provider import TESpecProv
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from ascendspeed.features.local_mla.attention import set_head_sizes
 
 _WHERE = "Transformer Engine is not installed; ascendspeed builds megatron-core's local modules for its classes"
 
@@ -180,14 +181,7 @@ class LocalTEDotProductAttention(DotProductAttention):
             softmax_scale=softmax_scale, cp_comm_type=None if config.context_parallel_size == 1 else cp_comm_type,
             pg_collection=pg_collection,
         )
-        if k_channels is not None:
-            self.hidden_size_per_attention_head = k_channels
-            if softmax_scale is None:
-                self.softmax_scale = 1.0 / math.sqrt(k_channels)
-                if config.apply_query_key_layer_scaling:
-                    self.softmax_scale /= self.layer_number
-        if v_channels is not None:
-            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+        set_head_sizes(self, k_channels, v_channels, softmax_scale)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, num_splits=None):

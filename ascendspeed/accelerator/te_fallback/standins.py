@@ -109,6 +109,7 @@ def _name(name: str) -> str:
 
 def patches() -> list[Patch]:
     gpt = "TE fallback: gpt_layer_specs' TE spec provider and TENorm"
+    mla = "TE fallback: multi-latent attention recognises TELinear and TEColumnParallelLinear"
     return [
         replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
                 expect="(config, hidden_size, eps=1e-05)",
@@ -166,4 +167,11 @@ def patches() -> list[Patch]:
         replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
                 expect=_NONE, megatron=">=0.17", name=gpt),
         replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
+        # multi_latent_attention picks the down projections' parallel mode by comparing the spec's class with
+        # its TELinear / TEColumnParallelLinear names: None from 0.17 where TE is absent (copies of the mocks,
+        # swept, before).
+        replace("megatron.core.transformer.multi_latent_attention:TELinear", TELinear, expect=_NONE,
+                megatron=">=0.17", name=mla),
+        replace("megatron.core.transformer.multi_latent_attention:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=_NONE, megatron=">=0.17", name=mla),
     ]
