@@ -246,7 +246,7 @@ def test_hybrid_attention_and_mlp_layers(launcher):
     classes and its final norm is always a TENorm, so without TE it could not build (accelerator.te_fallback);
     with TP 2 and sequence parallelism, on ascendspeed's fused RMSNorm and SwiGLU."""
     script, spec = _hybrid_job()
-    flags = [*TP_COMPARABLE, *spec, "*-*-", "--sequence-parallel", "--normalization", "RMSNorm",
+    flags = [*TP_COMPARABLE, *spec, "*-*-", "--num-layers", "4", "--sequence-parallel", "--normalization", "RMSNorm",
              "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu"]
     _, calls = _train(launcher, 2, flags, "fused_swiglu, local_norm", [RMS_NORM_OP, SWIGLU_OP], script)
     # per micro-batch forward: the norm of each layer's layer-norm linear (4 layers) + the final norm; one SwiGLU
