@@ -8,6 +8,9 @@
 * ``cpu`` otherwise: the shims of feature ``accelerator.cpu`` give Megatron's CUDA spellings CPU meanings
   (see ``cpu_runtime``, ``cpu_tensors``, ``cpu_megatron_core``, ``cpu_megatron_lm``, ``triton_guard``), and
   feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``).
+
+On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
+classes with megatron-core's local modules (``te_fallback``).
   They are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
   ``MANAGER.revert(name)`` for one of them).
 
@@ -29,7 +32,8 @@ ENVIRONMENT_VARIABLE = "ASCENDSPEED_DEVICE"
 CPU_FEATURE = "accelerator.cpu"
 GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE)
+TE_FALLBACK_FEATURE = "accelerator.te_fallback"
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,14 @@ def gloo_p2p_patches():
     return cpu_megatron_core.p2p_patches()
 
 
+def te_fallback_patches():
+    """The stand-ins of feature ``accelerator.te_fallback``: Transformer Engine's classes on megatron-core's local
+    modules (``te_fallback``), installed on any device where TE does not import."""
+    from ascendspeed.accelerator import te_fallback
+
+    return te_fallback.patches()
+
+
 def _install_npu(manager: PatchManager) -> None:
     import torch_npu  # noqa: F401
     from torch_npu.contrib import transfer_to_npu  # noqa: F401 - redirects torch.cuda and "cuda" to the NPU
@@ -129,6 +141,10 @@ def install(manager: PatchManager = MANAGER) -> str:
         manager.apply(GLOO_P2P_FEATURE, gloo_p2p_patches())
     elif device == "npu":
         _install_npu(manager)
+    from ascendspeed.accelerator import te_fallback
+
+    if te_fallback.needed():
+        manager.apply(TE_FALLBACK_FEATURE, te_fallback_patches())
     if _installed != device:
         how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
         logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
@@ -166,6 +182,7 @@ __all__ = [
     "FEATURES",
     "GLOO_P2P_FEATURE",
     "NPU_FEATURE",
+    "TE_FALLBACK_FEATURE",
     "current_device",
     "device_type",
     "forced_device",

@@ -85,12 +85,22 @@ def set_cpu_defaults(parser) -> None:
     parser.set_defaults(**{dest: value for dest, (value, _) in CPU_ARGUMENT_DEFAULTS.items()})
 
 
+def _served_otherwise(dest: str, value) -> bool:
+    """An explicit value other than the CPU default that still runs: ``--transformer-impl transformer_engine``
+    where Transformer Engine is absent builds megatron-core's local modules for TE's classes (``te_fallback``)."""
+    if dest == "transformer_impl" and value == "transformer_engine":
+        from ascendspeed.accelerator import te_fallback
+
+        return te_fallback.needed()
+    return False
+
+
 def check_cpu_arguments(args) -> None:
     """Reject explicit flags the CPU cannot honour, naming the flag to use instead."""
     wrong = [
         (dest, getattr(args, dest), flag)
         for dest, (value, flag) in CPU_ARGUMENT_DEFAULTS.items()
-        if hasattr(args, dest) and getattr(args, dest) != value
+        if hasattr(args, dest) and getattr(args, dest) != value and not _served_otherwise(dest, getattr(args, dest))
     ]
     if wrong:
         found = ", ".join(f"{dest}={current!r}" for dest, current, _ in wrong)

@@ -7,7 +7,9 @@ This module owns every hook on Megatron-LM's argument handling (device specifics
   (and extended choices such as ``--position-embedding-type alibi``), with CPU-capable defaults on the CPU;
 * ``validate_args`` is wrapped so that, after Megatron's own checks, ascendspeed validates and applies
   the features the arguments select, before any model is built (on the CPU, explicit flags the CPU
-  cannot honour are refused first, naming the flag to use);
+  cannot honour are refused first, naming the flag to use; where Transformer Engine is absent, the flags
+  that need TE itself; and hybrid layer patterns with layers whose CUDA packages are missing,
+  ``hybrid_layers.py``);
 * ``core_transformer_config_from_args`` is wrapped so enabled features carry their settings into the
   ``TransformerConfig``;
 * ``megatron.core.datasets.utils.compile_helpers`` (called by ``initialize_megatron``) builds the dataset
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from ascendspeed.integration import dataset_helpers, mock_dataset
+from ascendspeed.integration import dataset_helpers, hybrid_layers, mock_dataset
 from ascendspeed.patching import PatchManager, wrap
 
 FEATURE_NAME = "megatron_lm"
@@ -50,9 +52,12 @@ def _wrap_add_megatron_arguments(original):
 def _wrap_validate_args(original):
     @functools.wraps(original)
     def validate_args(args, defaults={}):  # noqa: B006 - mirrors Megatron-LM's signature
-        from ascendspeed.accelerator import cpu_megatron_lm
+        from ascendspeed.accelerator import cpu_megatron_lm, te_fallback
         from ascendspeed.features import apply_features
 
+        if te_fallback.needed():
+            te_fallback.check_arguments(args)
+        hybrid_layers.check_hybrid_pattern(args)
         environment = contextlib.nullcontext()
         if _on_cpu():
             cpu_megatron_lm.check_cpu_arguments(args)

@@ -23,6 +23,7 @@ import threading
 from typing import Any, Iterable, Optional
 
 from ascendspeed.patching.patch import (
+    ABSENT,
     EXISTS,
     Patch,
     PatchError,
@@ -267,6 +268,14 @@ class PatchManager:
             owner, attribute = resolve_owner(patch, module)
         except AttributeError as exc:
             raise self._error(entry, "the target's parent does not exist", f"missing ({exc})") from None
+        if patch.expect is ABSENT:
+            if hasattr(owner, attribute):
+                raise self._error(entry, "the attribute to be missing (the patch adds it)",
+                                  f"{type(getattr(owner, attribute)).__name__} {getattr(owner, attribute)!r}")
+            if patch.kind is not PatchKind.REPLACE:
+                raise self._error(entry, "a replace patch (a missing attribute cannot be wrapped)", "a wrap")
+            return _Target(target=patch.target, owner=owner, attribute=attribute, original=None,
+                           owned_original=False, sweep=False, current=None)
         if not hasattr(owner, attribute):
             raise self._error(entry, "the attribute to exist", "missing")
         is_class = isinstance(owner, type)

@@ -26,6 +26,17 @@ class _ExistsOnly:
 EXISTS = _ExistsOnly()
 
 
+class _AbsentOnly:
+    """Marker for ``replace`` patches that add a name the target module lacks (it must be missing)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+#: ``expect=ABSENT``: the attribute must not exist; the replacement adds it and ``revert`` deletes it again.
+ABSENT = _AbsentOnly()
+
+
 class PatchError(RuntimeError):
     """A patch cannot be applied: its target is missing, changed, or claimed twice."""
 
@@ -92,12 +103,36 @@ def wrap(target: str, wrapper_factory: Callable[[Any], Any], *, expect: Any, nam
                  VersionRange.parse(megatron) if megatron else None, _caller_location())
 
 
+def _stubbed_class_init(obj: Any) -> Any:
+    """The ``__init__`` of a class whose base was a ``unittest.mock`` object, or None.
+
+    A library stubs an absent optional dependency with ``dep = MagicMock()``; ``class C(dep.Base): ...`` then
+    makes ``C`` a mock whose return value is the class body's namespace (the mock type is called with
+    ``(name, bases, namespace)``). The body's ``__init__`` is what callers of ``C(...)`` depend on.
+    """
+    mock = sys.modules.get("unittest.mock")
+    if mock is None or not isinstance(obj, mock.NonCallableMock):
+        return None
+    body = getattr(obj, "_mock_return_value", None)
+    if isinstance(body, dict) and "__qualname__" in body and callable(body.get("__init__")):
+        return body["__init__"]
+    return None
+
+
 def describe_signature(obj: Any) -> str:
     """What a caller of ``obj`` depends on: parameter names, kinds and defaults, written like a signature.
 
     Annotations are left out: they change spelling with ``from __future__ import annotations`` (newer
-    megatron-core) without the signature changing.
+    megatron-core) without the signature changing. A class is described as calling it is (``__new__`` or
+    ``__init__`` without its first parameter); so is a class stubbed on a mocked base
+    (``_stubbed_class_init``).
     """
+    stub_init = _stubbed_class_init(obj)
+    if stub_init is not None:
+        signature = inspect.signature(stub_init)
+        parameters = [parameter.replace(annotation=inspect.Parameter.empty)
+                      for parameter in list(signature.parameters.values())[1:]]
+        return str(signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty))
     function = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
     try:
         signature = inspect.signature(function)

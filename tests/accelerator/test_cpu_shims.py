@@ -156,7 +156,7 @@ def test_cpu_capable_megatron_lm_arguments_pass():
 
 @pytest.mark.parametrize(
     "dest, value, flag",
-    [("transformer_impl", "transformer_engine", "--transformer-impl local"),
+    [("transformer_impl", "inference_optimized", "--transformer-impl local"),
      ("distributed_backend", "nccl", "--distributed-backend gloo"),
      ("gradient_accumulation_fusion", True, "--no-gradient-accumulation-fusion"),
      ("masked_softmax_fusion", True, "--no-masked-softmax-fusion"),
@@ -166,6 +166,19 @@ def test_cpu_capable_megatron_lm_arguments_pass():
 def test_gpu_only_megatron_lm_arguments_name_the_flag_to_use(dest, value, flag):
     with pytest.raises(cpu_megatron_lm.CpuArgumentError, match=flag):
         cpu_megatron_lm.check_cpu_arguments(_megatron_lm_args(**{dest: value}))
+
+
+def test_transformer_engine_impl_passes_where_te_is_absent(monkeypatch):
+    """--transformer-impl transformer_engine builds megatron-core's local modules for TE's classes where TE is
+    absent (accelerator.te_fallback); with TE installed on a CPU machine it is refused."""
+    from ascendspeed.accelerator import te_fallback
+
+    args = _megatron_lm_args(transformer_impl="transformer_engine")
+    monkeypatch.setattr(te_fallback, "needed", lambda: True)
+    cpu_megatron_lm.check_cpu_arguments(args)
+    monkeypatch.setattr(te_fallback, "needed", lambda: False)
+    with pytest.raises(cpu_megatron_lm.CpuArgumentError, match="--transformer-impl local"):
+        cpu_megatron_lm.check_cpu_arguments(args)
 
 
 def test_torchscript_still_compiles_calls_to_redirected_factories():

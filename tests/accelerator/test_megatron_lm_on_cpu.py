@@ -124,6 +124,8 @@ def test_gpu_only_flag_is_rejected_naming_the_cpu_flag(megatron_lm_arguments):
     from ascendspeed.accelerator.cpu_megatron_lm import CpuArgumentError
 
     parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    args = parser.parse_args(["--transformer-impl", "transformer_engine", "--distributed-backend", "nccl"])
-    with pytest.raises(CpuArgumentError, match="--transformer-impl local --distributed-backend gloo"):
+    # (--transformer-impl transformer_engine runs where TE is absent: accelerator.te_fallback)
+    args = parser.parse_args(["--distributed-backend", "nccl"])
+    args.gradient_accumulation_fusion = True   # Megatron-LM's GPU default; it has no flag to switch it on
+    with pytest.raises(CpuArgumentError, match="--no-gradient-accumulation-fusion --distributed-backend gloo"):
         megatron_lm_arguments.validate_args(args)

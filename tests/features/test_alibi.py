@@ -74,8 +74,22 @@ def test_megatron_lm_parser_accepts_alibi():
     assert args.position_embedding_type == "alibi"
 
 
+def test_transformer_engine_impl_runs_alibi_only_without_transformer_engine(monkeypatch):
+    """TEDotProductAttention is megatron-core's DotProductAttention where TE is absent (accelerator.te_fallback);
+    with TE installed its attention has no ALiBi and the flag is refused."""
+    from ascendspeed.accelerator import te_fallback
+
+    parser = megatron_like_parser()
+    parser.add_argument("--transformer-impl", default="local")
+    args = parser.parse_args(["--position-embedding-type", "alibi", "--transformer-impl", "transformer_engine"])
+    monkeypatch.setattr(te_fallback, "needed", lambda: True)
+    assert "alibi" in [f.name for f in validate_features(args)]
+    monkeypatch.setattr(te_fallback, "needed", lambda: False)
+    with pytest.raises(FeatureArgumentError, match="--transformer-impl transformer_engine"):
+        validate_features(args)
+
+
 @pytest.mark.parametrize("flags,named", [
-    (["--transformer-impl", "transformer_engine"], "--transformer-impl"),
     (["--sft"], "--sft"),
     (["--apply-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
     (["--alibi-fused-attention", "--reset-attention-mask"], "--reset-attention-mask"),

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ascendspeed.accelerator import te_fallback
 from ascendspeed.features import FeatureArgumentError, default_arguments, disable_features, enable_features
 from ascendspeed.features.local_norm import FEATURE, LocalNorm
 from tests.helpers.distributed import run_distributed
@@ -122,8 +123,8 @@ def test_the_feature_is_on_for_sequence_parallel_or_the_fused_rmsnorm():
     assert not FEATURE.is_enabled(args)
     args.sequence_parallel = True
     assert FEATURE.is_enabled(args)
-    args.transformer_impl = "transformer_engine"
-    assert not FEATURE.is_enabled(args)
+    args.transformer_impl = "transformer_engine"   # its TENorm is the local norm where TE is absent
+    assert FEATURE.is_enabled(args) == te_fallback.needed()
 
 
 @pytest.mark.parametrize("settings, named", [
@@ -131,7 +132,8 @@ def test_the_feature_is_on_for_sequence_parallel_or_the_fused_rmsnorm():
     ({"use_fused_rmsnorm": True, "normalization": "RMSNorm", "transformer_impl": "transformer_engine"},
      "--transformer-impl local"),
 ])
-def test_bad_combinations_are_refused_naming_the_flags(settings, named):
+def test_bad_combinations_are_refused_naming_the_flags(settings, named, monkeypatch):
+    monkeypatch.setattr(te_fallback, "needed", lambda: False)   # with TE installed, its norms run
     with pytest.raises(FeatureArgumentError, match=named):
         enable_features(**settings)
     disable_features(["local_norm"])

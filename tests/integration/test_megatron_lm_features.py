@@ -28,6 +28,7 @@ ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_rea
 REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
 RMS_NORM_OP = "ascendspeed.ops.rms_norm:rms_norm"
 ROTARY_OP = "ascendspeed.ops.rotary:rotary_embedding"
+MLA_HEAD_SIZES = "ascendspeed.features.local_mla.attention:set_head_sizes"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
 #: micro-batch forward; backward runs inside its autograd function).
 CP_ATTENTION = "ascendspeed.features.context_parallel.megatron_attention:{}_attention"
@@ -60,7 +61,7 @@ def count(target):
 for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
     count(target)
 sys.path.append(os.environ["MEGATRON_LM_PATH"])
-sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")
+sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], os.environ.get("MEGATRON_LM_SCRIPT", "pretrain_gpt.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")
 # A leading newline: another rank may have left a line unfinished on the shared stdout.
 for target in filter(None, os.environ.get("COUNT_CALLS", "").split(",")):
@@ -94,11 +95,12 @@ def launcher(tmp_path_factory):
     return str(path)
 
 
-def _launch(launcher, processes, flags, count=(), timeout=300):
+def _launch(launcher, processes, flags, count=(), timeout=300, script="pretrain_gpt.py"):
     environment = {
         **os.environ,
         "ASCENDSPEED_DEVICE": "cpu",
         "MEGATRON_LM_PATH": MEGATRON_LM_PATH,
+        "MEGATRON_LM_SCRIPT": script,
         "OMP_NUM_THREADS": "1",
         "COUNT_CALLS": ",".join(count),
     }
@@ -107,10 +109,10 @@ def _launch(launcher, processes, flags, count=(), timeout=300):
                    timeout=timeout)
 
 
-def _checked_run(launcher, processes, flags, feature, count):
+def _checked_run(launcher, processes, flags, feature, count, script="pretrain_gpt.py"):
     """Run, then check the loss falls, the adaptor reports ``feature``, and every counted function ran on
     every rank; returns the losses, the call counts ({(rank, target): calls}) and the output."""
-    returncode, output = _launch(launcher, processes, flags, count)
+    returncode, output = _launch(launcher, processes, flags, count, script=script)
     assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
     assert FEATURES.findall(output) == [feature], f"adaptor report: {FEATURES.findall(output)}\n{output[-3000:]}"
     losses = {int(step): float(loss) for step, loss in LOSS.findall(output)}
@@ -123,9 +125,9 @@ def _checked_run(launcher, processes, flags, feature, count):
     return losses, calls, output
 
 
-def _train(launcher, processes, flags, feature, count):
+def _train(launcher, processes, flags, feature, count, script="pretrain_gpt.py"):
     """``_checked_run`` without the output: the losses and the call counts."""
-    return _checked_run(launcher, processes, flags, feature, count)[:2]
+    return _checked_run(launcher, processes, flags, feature, count, script)[:2]
 
 
 def test_fused_swiglu_one_process(launcher):
@@ -212,6 +214,62 @@ def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher
     assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
 
 
+def test_transformer_engine_spec_without_transformer_engine(launcher):
+    """Megatron-LM's default --transformer-impl transformer_engine, given explicitly, where TE is not installed:
+    its TE layer spec builds on megatron-core's local modules (accelerator.te_fallback) with TP 2 and sequence
+    parallelism, and ascendspeed's fused RMSNorm (inside the layer-norm linears), SwiGLU and RoPE run in it."""
+    flags = [*TP_COMPARABLE[:TP_COMPARABLE.index("--transformer-impl")], "--transformer-impl", "transformer_engine",
+             *TP_COMPARABLE[TP_COMPARABLE.index("--transformer-impl") + 2:], "--sequence-parallel",
+             "--normalization", "RMSNorm", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
+             "--use-fused-rotary-pos-emb"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu, local_norm, fused_rope", [RMS_NORM_OP, SWIGLU_OP, ROTARY_OP])
+    # per micro-batch forward: the norms of the two layer-norm linears per layer + the final norm; one SwiGLU
+    # per layer; rotary on q and k per layer
+    assert {n for (_, target), n in calls.items() if target == RMS_NORM_OP} == {(2 * 2 + 1) * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
+
+
+def _hybrid_job():
+    """Megatron-LM's hybrid (attention/MLP/Mamba) training script of this release, its layer spec and pattern
+    flag: pretrain_hybrid.py with HybridModel from 0.18 (--hybrid-layer-pattern from 0.17); before, the same
+    layers as pretrain_mamba.py's MambaModel with --hybrid-override-pattern."""
+    if os.path.exists(os.path.join(MEGATRON_LM_PATH, "pretrain_hybrid.py")):
+        return "pretrain_hybrid.py", ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+                                      "--hybrid-layer-pattern"]
+    return "pretrain_mamba.py", ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec",
+                                 "--hybrid-override-pattern"]
+
+
+def test_hybrid_attention_and_mlp_layers(launcher):
+    """Megatron-LM's hybrid model with attention (*) and MLP (-) layers: its stack spec names Transformer Engine's
+    classes and its final norm is always a TENorm, so without TE it could not build (accelerator.te_fallback);
+    with TP 2 and sequence parallelism, on ascendspeed's fused RMSNorm and SwiGLU."""
+    script, spec = _hybrid_job()
+    flags = [*TP_COMPARABLE, *spec, "*-*-", "--num-layers", "4", "--sequence-parallel", "--normalization", "RMSNorm",
+             "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu, local_norm", [RMS_NORM_OP, SWIGLU_OP], script)
+    # per micro-batch forward: the norm of each layer's layer-norm linear (4 layers) + the final norm; one SwiGLU
+    # per MLP layer
+    assert {n for (_, target), n in calls.items() if target == RMS_NORM_OP} == {(4 + 1) * 2 * ITERATIONS}
+    assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+
+
+MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+       "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"]
+
+
+def test_multi_latent_attention_local_spec(launcher):
+    """--multi-latent-attention on the local spec with TP 2 (q/kv low-rank projections, decoupled RoPE):
+    megatron-core's DotProductAttention takes MLA's key and value head sizes (feature local_mla), the MLP runs on
+    ascendspeed's fused SwiGLU."""
+    flags = [*TP_COMPARABLE, *MLA, "--swiglu", "--use-fused-swiglu"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu, local_mla", [MLA_HEAD_SIZES, SWIGLU_OP])
+    # each layer's attention of each model built (a multiple of the 2 layers)
+    assert all(n % 2 == 0 and n > 0 for (_, target), n in calls.items() if target == MLA_HEAD_SIZES), calls
+    assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+
+
 #: Context-parallel runs against one process: no dropout (its masks differ with the sequence split) and RoPE
 #: (Megatron-LM's JIT warm-up draws seq-length / cp random numbers before the learned position embedding
 #: is initialised, so that embedding would start differently).
@@ -286,6 +344,14 @@ def megatron_lm_arguments():
     (["--reuse-fp32-param"], "--reuse-fp32-param needs --bf16"),
     (["--bf16", "--reuse-fp32-param", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
      "--reuse-fp32-param cannot run with --overlap-param-gather"),
+    # where Transformer Engine is absent (accelerator.te_fallback)
+    (["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"],
+     "Megatron without Transformer Engine cannot run with --fp8-format hybrid"),
+    (["--transformer-impl", "transformer_engine", "--tp-comm-overlap"],
+     "Megatron without Transformer Engine cannot run with --tp-comm-overlap True"),
+    (["--hybrid-override-pattern", "M*-"], "has Mamba layers (M), whose megatron-core module needs mamba_ssm"),
+    (["--multi-latent-attention", "--position-embedding-type", "alibi"],
+     "--position-embedding-type alibi cannot run with --multi-latent-attention True"),
 ])
 def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
     """Megatron-LM's own parse_args + validate_args, in process: the error names the flags."""

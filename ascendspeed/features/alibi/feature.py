@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ascendspeed.accelerator.te_fallback import serves_local_modules
 from ascendspeed.features.alibi import attention
 from ascendspeed.features.alibi.attention import AlibiSettings
 from ascendspeed.features.base import (
@@ -15,8 +16,6 @@ from ascendspeed.features.base import (
 )
 
 UNSUPPORTED = (
-    Unsupported("transformer_impl", "--transformer-impl", "local",
-                "Transformer Engine attention is not supported yet; use --transformer-impl local"),
     Unsupported("sft", "--sft", False, "packed sequences are not supported yet"),
     Unsupported("apply_query_key_layer_scaling", "--apply-query-key-layer-scaling", False,
                 "the layer scaling would scale the bias too"),
@@ -46,6 +45,7 @@ class AlibiFeature(Feature[AlibiSettings]):
     example_flags = ("--position-embedding-type", "alibi", "--alibi-fused-attention")
     megatron_arguments = {
         "position_embedding_type": "learned_absolute",
+        "transformer_impl": "local",
         **defaults_of(UNSUPPORTED + UNSUPPORTED_FUSED),
     }
 
@@ -70,6 +70,13 @@ class AlibiFeature(Feature[AlibiSettings]):
             if fused:
                 raise FeatureArgumentError("--alibi-fused-attention needs --position-embedding-type alibi")
             return
+        if not serves_local_modules(args):
+            # TEDotProductAttention is megatron-core's DotProductAttention where TE is absent (te_fallback).
+            raise FeatureArgumentError(
+                f"--position-embedding-type alibi cannot run with --transformer-impl {args.transformer_impl} "
+                "when Transformer Engine is installed: ALiBi is applied by megatron-core's DotProductAttention, "
+                "not TE's attention; use --transformer-impl local"
+            )
         refuse_unsupported(args, UNSUPPORTED, "--position-embedding-type alibi")
         if fused:
             refuse_unsupported(args, UNSUPPORTED_FUSED, "--position-embedding-type alibi --alibi-fused-attention")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from ascendspeed.accelerator.te_fallback import serves_local_modules
 from ascendspeed.features.base import Feature, FeatureArgumentError
 from ascendspeed.features.local_norm.norm import LocalNormSettings
 
@@ -27,7 +28,8 @@ class LocalNormFeature(Feature[LocalNormSettings]):
         )
 
     def is_enabled(self, args: argparse.Namespace) -> bool:
-        local = getattr(args, "transformer_impl", "local") == "local"
+        # Transformer Engine's TENorm is megatron-core's local norm where TE is absent (accelerator.te_fallback).
+        local = serves_local_modules(args)
         needs_local_norm = getattr(args, "sequence_parallel", False) or getattr(args, "apply_layernorm_1p", False)
         return bool(getattr(args, "use_fused_rmsnorm", False) or (local and needs_local_norm))
 
@@ -39,10 +41,11 @@ class LocalNormFeature(Feature[LocalNormSettings]):
                 "--use-fused-rmsnorm needs --normalization RMSNorm (it fuses RMSNorm; this model normalises with "
                 f"{getattr(args, 'normalization', 'LayerNorm')}): add --normalization RMSNorm or drop the flag"
             )
-        if getattr(args, "transformer_impl", "local") != "local":
+        if not serves_local_modules(args):
             raise FeatureArgumentError(
                 "--use-fused-rmsnorm replaces the norms of the local layer spec; with --transformer-impl "
-                "transformer_engine Transformer Engine's norms run instead: use --transformer-impl local"
+                f"{args.transformer_impl} and Transformer Engine installed, TE's norms run instead: use "
+                "--transformer-impl local"
             )
 
     def settings(self, args: argparse.Namespace) -> LocalNormSettings:

@@ -1,0 +1,67 @@
+"""Transformer Engine's layer classes without Transformer Engine (feature ``accelerator.te_fallback``).
+
+megatron-core names Transformer Engine classes in its layer specs: ``get_gpt_layer_with_transformer_engine_spec``
+(Megatron-LM's default ``--transformer-impl transformer_engine``), the hybrid stack's specs, and
+``HybridStack``, which builds a ``TENorm`` for its final norm whatever the spec. Where ``transformer_engine``
+does not import (a CPU, an Ascend NPU, a GPU without TE), megatron-core defines those classes on a mocked base
+(``te = MagicMock()``) or as raising stubs, so every such spec fails to build.
+
+This fallback, installed by ``ascendspeed.accelerator.install`` on any device where TE is absent, puts stand-ins
+in their place (``standins.py``) that build megatron-core's own local modules with TE's constructor and forward
+contracts (``modules.py``): ``TENorm`` -> the local norm (``WrappedTorchNorm``, so ascendspeed's sequence-parallel
+and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated linear, ``TEColumnParallelLinear`` /
+``TERowParallelLinear`` -> ``ColumnParallelLinear`` / ``RowParallelLinear``, ``TELayerNormColumnParallelLinear``
+-> a norm followed by ``ColumnParallelLinear`` (parameters named as TE names them: ``layer_norm_weight``,
+``layer_norm_bias``), ``TEDotProductAttention`` -> ``DotProductAttention`` with separate key and value head sizes
+(so ALiBi, fused RoPE and fused SwiGLU, which patch megatron-core's local classes, apply on these paths too).
+
+What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
+ops, grouped GEMM experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+FEATURE = "accelerator.te_fallback"
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_engine_importable() -> bool:
+    """Whether ``import transformer_engine`` works (megatron-core's own ``HAVE_TE`` test)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - TE raises more than ImportError without its CUDA libraries
+        return False
+    return True
+
+
+def needed() -> bool:
+    """The fallback is installed where Transformer Engine does not import."""
+    return not transformer_engine_importable()
+
+
+def serves_local_modules(args) -> bool:
+    """Whether the model of ``args`` is built from megatron-core's local modules: ``--transformer-impl local``,
+    or ``transformer_engine`` where TE is absent (this fallback builds the local modules for TE's classes)."""
+    impl = getattr(args, "transformer_impl", "local")
+    return impl == "local" or (impl == "transformer_engine" and needed())
+
+
+def patches():
+    from ascendspeed.accelerator.te_fallback import standins
+
+    return standins.patches()
+
+
+def check_arguments(args) -> None:
+    """Refuse the flags that need Transformer Engine itself (called before Megatron-LM's ``validate_args``)."""
+    from ascendspeed.accelerator.te_fallback import validation
+
+    validation.check_arguments(args)
+
+
+__all__ = ["FEATURE", "check_arguments", "needed", "patches", "serves_local_modules",
+           "transformer_engine_importable"]

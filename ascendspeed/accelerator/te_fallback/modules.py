@@ -1,0 +1,199 @@
+"""megatron-core's local modules with Transformer Engine's constructor and forward contracts.
+
+Built by the stand-ins of ``standins.py`` where TE is absent. Each class keeps TE's parameters (a TE argument the
+local module cannot honour is an error naming it) and TE's forward: ``(output, bias or None)`` for the linears,
+the context ``[s, b, heads * v_channels]`` for the attention.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from ascendspeed.features.local_mla.attention import set_head_sizes
+
+_WHERE = "Transformer Engine is not installed; ascendspeed builds megatron-core's local modules for its classes"
+
+
+def _names(name: Optional[str]) -> dict:
+    """``name`` reaches megatron-core's linears only where they take it (0.18 and newer)."""
+    return {} if name is None else {"name": name}
+
+
+def local_te_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False) -> torch.nn.Module:
+    """``TENorm``: the norm of megatron-core's local spec (``WrappedTorchNorm``; ascendspeed's ``local_norm``
+    makes it sequence-parallel, zero-centred or fused where those are switched on)."""
+    if has_residual and getattr(config, "fused_residual_rmsnorm", False):
+        raise ValueError(f"{_WHERE}: the fused residual RMSNorm is a TE kernel; drop --fused-residual-rmsnorm")
+    # TE's norms hold their weights in params_dtype; torch's LayerNorm/RMSNorm are made in the default dtype.
+    return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps).to(dtype=config.params_dtype)
+
+
+class LocalTELinearBase:
+    """Marks what ``TELinear(...)`` builds (``isinstance(module, TELinear)`` asks for it)."""
+
+
+class LocalTEColumnParallelLinear(ColumnParallelLinear):
+    """``TEColumnParallelLinear``: ``ColumnParallelLinear`` (output never gathered, as in TE)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                 is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None, stride=1,
+                 name=None):
+        if gather_output:
+            raise ValueError("Transformer Engine linear layers do not support gather_output = True")
+        super().__init__(
+            input_size, output_size, config=config, init_method=init_method, bias=bias, gather_output=False,
+            stride=stride, skip_bias_add=skip_bias_add, skip_weight_param_allocation=skip_weight_param_allocation,
+            is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name, tp_group=tp_group, **_names(name),
+        )
+
+
+class LocalTELayerNormColumnParallelLinear(LocalTEColumnParallelLinear):
+    """``TELayerNormColumnParallelLinear``: ``TENorm`` then ``ColumnParallelLinear``.
+
+    The norm's parameters are this module's ``layer_norm_weight`` and ``layer_norm_bias`` (TE's names, so a
+    state dict keeps TE's keys); the norm module itself is not a child. Under sequence parallelism the norm runs
+    on this rank's part of the sequence, before the linear gathers it, as in TE.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add,
+                 is_expert, skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None, stride=1,
+                 name=None):
+        if is_expert:
+            raise ValueError("Transformer Engine linear layers do not yet support MoE")
+        super().__init__(
+            input_size, output_size, config=config, init_method=init_method, gather_output=gather_output,
+            bias=bias, skip_bias_add=skip_bias_add, is_expert=is_expert,
+            skip_weight_param_allocation=skip_weight_param_allocation, tp_comm_buffer_name=tp_comm_buffer_name,
+            tp_group=tp_group, stride=stride, name=name,
+        )
+        norm = local_te_norm(config, input_size, config.layernorm_epsilon)
+        object.__setattr__(self, "_te_norm", norm)
+        self.layer_norm_weight = norm.weight
+        if getattr(norm, "bias", None) is not None:
+            self.layer_norm_bias = norm.bias
+
+    def forward(self, x, weight=None, runtime_gather_output=None):
+        return super().forward(self._te_norm(x), weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+class LocalTERowParallelLinear(RowParallelLinear):
+    """``TERowParallelLinear``: ``RowParallelLinear`` (input always parallel, as in TE)."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add,
+                 is_expert, tp_comm_buffer_name=None, tp_group=None, name=None):
+        if not input_is_parallel:
+            raise ValueError("Transformer Engine linear layers do not support input_is_parallel = False")
+        super().__init__(
+            input_size, output_size, config=config, init_method=init_method, bias=bias, input_is_parallel=True,
+            skip_bias_add=skip_bias_add, is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name,
+            tp_group=tp_group, **_names(name),
+        )
+
+
+class LocalTELinearColumn(LocalTELinearBase, LocalTEColumnParallelLinear):
+    """``TELinear(parallel_mode="column")``."""
+
+
+class LocalTELinearRow(LocalTELinearBase, LocalTERowParallelLinear):
+    """``TELinear(parallel_mode="row")``."""
+
+
+class LocalTELinearDuplicated(LocalTELinearBase, torch.nn.Module):
+    """``TELinear(parallel_mode="duplicated")``: the whole weight on every tensor-parallel rank.
+
+    Under sequence parallelism each rank sees part of the sequence, so the weights are marked as TE marks them
+    (``sequence_parallel``): Megatron all-reduces their gradients over the tensor-parallel group.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add):
+        super().__init__()
+        self.config = config
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        if config.perform_initialization:
+            with torch.no_grad():
+                init_method(self.weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype)) if bias else None
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+            param.allreduce = True
+
+    def forward(self, x):
+        if self.skip_bias_add:
+            return F.linear(x, self.weight), self.bias
+        return F.linear(x, self.weight, self.bias), None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.input_size}, out_features={self.output_size}, bias={self.bias is not None}"
+
+
+def local_te_linear(input_size, output_size, *, parallel_mode, config, init_method, bias, skip_bias_add,
+                    skip_weight_param_allocation, tp_comm_buffer_name=None, is_expert=False, symmetric_ar_type=None,
+                    tp_group=None, name=None, gtp_remat_group=None):
+    """``TELinear``: by ``parallel_mode``, a column- or row-parallel linear, or a duplicated one (None too)."""
+    if symmetric_ar_type is not None:
+        raise ValueError(f"{_WHERE}: symmetric all-reduce ({symmetric_ar_type}) needs TE and NCCL; "
+                         "drop --symmetric-ar-type")
+    if gtp_remat_group is not None:
+        raise ValueError(f"{_WHERE}: TELinear's gtp_remat_group has no local equivalent")
+    if parallel_mode == "column":
+        return LocalTELinearColumn(
+            input_size, output_size, config=config, init_method=init_method, gather_output=False, bias=bias,
+            skip_bias_add=skip_bias_add, is_expert=is_expert,
+            skip_weight_param_allocation=skip_weight_param_allocation, tp_comm_buffer_name=tp_comm_buffer_name,
+            tp_group=tp_group, name=name,
+        )
+    if skip_weight_param_allocation:
+        raise ValueError(f"{_WHERE}: TELinear(parallel_mode={parallel_mode!r}) cannot skip its weight")
+    if parallel_mode == "row":
+        return LocalTELinearRow(
+            input_size, output_size, config=config, init_method=init_method, bias=bias, input_is_parallel=True,
+            skip_bias_add=skip_bias_add, is_expert=is_expert, tp_comm_buffer_name=tp_comm_buffer_name,
+            tp_group=tp_group, name=name,
+        )
+    if parallel_mode not in ("duplicated", None):
+        raise ValueError(f"TELinear: parallel_mode must be 'column', 'row', 'duplicated' or None, "
+                         f"got {parallel_mode!r}")
+    if is_expert:
+        raise ValueError(f"{_WHERE}: a duplicated expert TELinear has no local equivalent")
+    return LocalTELinearDuplicated(input_size, output_size, config=config, init_method=init_method, bias=bias,
+                                   skip_bias_add=skip_bias_add)
+
+
+class LocalTEDotProductAttention(DotProductAttention):
+    """``TEDotProductAttention``: megatron-core's ``DotProductAttention``, with TE's separate key and value head
+    sizes (``k_channels``, ``v_channels``: multi-latent attention) and TE's forward signature."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, num_splits=None, cp_comm_type="p2p",
+                 pg_collection=None):
+        if num_splits is not None:
+            raise ValueError(f"{_WHERE}: num_splits (flash-decoding) has no local equivalent")
+        super().__init__(
+            config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale, cp_comm_type=None if config.context_parallel_size == 1 else cp_comm_type,
+            pg_collection=pg_collection,
+        )
+        set_head_sizes(self, k_channels, v_channels, softmax_scale)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, num_splits=None):
+        if num_splits is not None:
+            raise ValueError(f"{_WHERE}: num_splits (flash-decoding) has no local equivalent")
+        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+
+class LocalTESpecProvider(TESpecProvider):
+    """megatron-core's ``TESpecProvider``, except that the q/k norm is a ``TENorm`` too: upstream asks the TE
+    version there (below 1.9 it picks apex's norm), and without TE the version is 0."""
+
+    def layer_norm(self, rms_norm=False, for_qk=False, *args, **kwargs):
+        return super().layer_norm(rms_norm, False, *args, **kwargs)

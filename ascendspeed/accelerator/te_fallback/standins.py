@@ -1,0 +1,177 @@
+"""The names megatron-core's specs use for Transformer Engine classes, and the patches that put stand-ins there.
+
+A stand-in is what calling the TE class builds: ``TELinear(...)`` returns the local module of ``modules.py``
+with TE's constructor contract (as upstream's own ``TENorm`` returns a TE norm from ``__new__``). The stand-ins
+import nothing from Megatron when defined, so the patches can wait for their modules to load; the local modules
+are imported when the first one is built, once megatron-core is fully loaded. ``isinstance(module, TELinear)``
+holds for what a stand-in builds.
+
+Every target is checked against the upstream constructor as megatron-core wrote it: where TE is absent its TE
+classes are mocks that keep the class body (``describe_signature`` reads their ``__init__``).
+"""
+from __future__ import annotations
+
+import importlib
+
+from ascendspeed.patching import ABSENT, Patch, describe_signature, replace
+
+_MODULES = "ascendspeed.accelerator.te_fallback.modules"
+#: What ``describe_signature`` says of a name megatron-core sets to None where TE is absent.
+_NONE = describe_signature(None)
+
+
+class _StandInType(type):
+    """``isinstance``/``issubclass`` against a stand-in ask the local class it builds."""
+
+    def __instancecheck__(cls, instance) -> bool:
+        local = cls.local_class()
+        return local is not None and isinstance(instance, local)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        local = cls.local_class()
+        return type.__subclasscheck__(cls, subclass) or (local is not None and issubclass(subclass, local))
+
+
+class _StandIn(metaclass=_StandInType):
+    #: Name of the builder (a class or a function) in ``modules.py``.
+    builder = ""
+    #: Name of the class in ``modules.py`` whose instances the builder returns ("": the builder is that class).
+    local: "str | None" = ""
+
+    @classmethod
+    def local_class(cls):
+        """The class of what the stand-in builds (None: several, e.g. a torch LayerNorm or RMSNorm)."""
+        if cls.local is None:
+            return None
+        return getattr(importlib.import_module(_MODULES), cls.local or cls.builder)
+
+    def __new__(cls, *args, **kwargs):
+        # The builder has the upstream constructor's parameters: a wrong call fails there, naming them.
+        return getattr(importlib.import_module(_MODULES), cls.builder)(*args, **kwargs)
+
+
+class TENorm(_StandIn):
+    """``TENorm(config, hidden_size, eps=1e-5, has_residual=False)``: megatron-core's local norm."""
+
+    builder = "local_te_norm"
+    local = None
+
+
+class TELinear(_StandIn):
+    """``TELinear(input_size, output_size, *, parallel_mode, ...)``: column-/row-parallel or duplicated."""
+
+    builder = "local_te_linear"
+    local = "LocalTELinearBase"
+
+
+class TELayerNormColumnParallelLinear(_StandIn):
+    builder = "LocalTELayerNormColumnParallelLinear"
+
+
+class TEColumnParallelLinear(_StandIn):
+    builder = "LocalTEColumnParallelLinear"
+
+
+class TERowParallelLinear(_StandIn):
+    builder = "LocalTERowParallelLinear"
+
+
+class TEDotProductAttention(_StandIn):
+    builder = "LocalTEDotProductAttention"
+
+
+class TESpecProvider(_StandIn):
+    """gpt_layer_specs' ``TESpecProvider()``: megatron-core's provider, the q/k norm a ``TENorm`` too."""
+
+    builder = "LocalTESpecProvider"
+
+
+for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TEColumnParallelLinear, TERowParallelLinear,
+                  TEDotProductAttention, TESpecProvider):
+    _stand_in.__module__ = __name__
+
+
+# Upstream constructors, as megatron-core's TE classes declare them (stubbed: read from the class body).
+_LINEAR = ("input_size, output_size, *, parallel_mode, config, init_method, bias, skip_bias_add, "
+           "skip_weight_param_allocation, tp_comm_buffer_name=None, is_expert=False, symmetric_ar_type=None, "
+           "tp_group=None")
+_COLUMN = ("input_size, output_size, *, config, init_method, gather_output, bias, skip_bias_add, is_expert, "
+           "skip_weight_param_allocation=False, tp_comm_buffer_name=None, tp_group=None")
+_ROW = ("input_size, output_size, *, config, init_method, bias, input_is_parallel, skip_bias_add, is_expert, "
+        "tp_comm_buffer_name=None, tp_group=None")
+_ATTENTION = ("config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
+              "k_channels=None, v_channels=None")
+
+
+def _name(name: str) -> str:
+    return f"TE fallback: replace {name} with megatron-core's local modules"
+
+
+def patches() -> list[Patch]:
+    gpt = "TE fallback: gpt_layer_specs' TE spec provider and TENorm"
+    mla = "TE fallback: multi-latent attention recognises TELinear and TEColumnParallelLinear"
+    return [
+        replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
+                expect="(config, hidden_size, eps=1e-05)",
+                megatron="<0.17", name=_name("TENorm")),
+        replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
+                expect="(config, hidden_size, eps=1e-05, has_residual=False)",
+                megatron=">=0.17", name=_name("TENorm")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR})",
+                megatron="<0.18", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR}, name=None)",
+                megatron=">=0.18,<0.19", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELinear", TELinear,
+                expect=f"({_LINEAR}, name=None, gtp_remat_group=None)",
+                megatron=">=0.19", name=_name("TELinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN})",
+                megatron="<0.16", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1)",
+                megatron=">=0.16,<0.18", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TELayerNormColumnParallelLinear",
+                TELayerNormColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1, name=None)",
+                megatron=">=0.18", name=_name("TELayerNormColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN})",
+                megatron="<0.16", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1)",
+                megatron=">=0.16,<0.18", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=f"({_COLUMN}, stride=1, name=None)",
+                megatron=">=0.18", name=_name("TEColumnParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TERowParallelLinear", TERowParallelLinear,
+                expect=f"({_ROW})",
+                megatron="<0.18", name=_name("TERowParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TERowParallelLinear", TERowParallelLinear,
+                expect=f"({_ROW}, name=None)",
+                megatron=">=0.18", name=_name("TERowParallelLinear")),
+        replace("megatron.core.extensions.transformer_engine:TEDotProductAttention", TEDotProductAttention,
+                expect=f"({_ATTENTION}, cp_comm_type='p2p', pg_collection=None)",
+                megatron="<0.16", name=_name("TEDotProductAttention")),
+        replace("megatron.core.extensions.transformer_engine:TEDotProductAttention", TEDotProductAttention,
+                expect=f"({_ATTENTION}, num_splits=None, cp_comm_type='p2p', pg_collection=None)",
+                megatron=">=0.16", name=_name("TEDotProductAttention")),
+        # gpt_layer_specs binds TESpecProvider and TENorm only where TE imports: before 0.17 the names are
+        # missing, from 0.17 they are None.
+        replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
+                expect=ABSENT, megatron="<0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=ABSENT, megatron="<0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
+                expect=_NONE, megatron=">=0.17", name=gpt),
+        replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
+        # multi_latent_attention picks the down projections' parallel mode by comparing the spec's class with
+        # its TELinear / TEColumnParallelLinear names: None from 0.17 where TE is absent (copies of the mocks,
+        # swept, before).
+        replace("megatron.core.transformer.multi_latent_attention:TELinear", TELinear, expect=_NONE,
+                megatron=">=0.17", name=mla),
+        replace("megatron.core.transformer.multi_latent_attention:TEColumnParallelLinear", TEColumnParallelLinear,
+                expect=_NONE, megatron=">=0.17", name=mla),
+    ]

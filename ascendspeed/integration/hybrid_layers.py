@@ -1,0 +1,46 @@
+"""Hybrid-model layer patterns (``--hybrid-layer-pattern``, ``--hybrid-override-pattern``) checked before
+Megatron-LM validates them: layers whose megatron-core module needs a CUDA-only package that is not installed
+are refused here, naming the layer's symbol and the package, instead of failing while the model is built.
+
+Attention (``*``) and MLP (``-``) layers are megatron-core's own modules (with Transformer Engine's classes served
+by ``accelerator.te_fallback`` where TE is absent) and run on every device. Mamba (``M``) mixers call
+``mamba_ssm``'s and ``causal_conv1d``'s CUDA/triton kernels; gated delta net (``G``) layers call
+``fla`` (flash-linear-attention) triton kernels.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from ascendspeed.features.base import FeatureArgumentError
+
+#: Pattern symbol -> (layer, the packages its megatron-core module needs).
+NEEDS_PACKAGES = {
+    "M": ("Mamba", ("mamba_ssm", "causal_conv1d")),
+    "G": ("gated delta net", ("fla",)),
+}
+#: Megatron-LM's flags that hold a hybrid layer pattern (argument name -> flag); a release lacking one skips it.
+PATTERN_FLAGS = {
+    "hybrid_layer_pattern": "--hybrid-layer-pattern",
+    "hybrid_override_pattern": "--hybrid-override-pattern",
+    "mtp_hybrid_override_pattern": "--mtp-hybrid-override-pattern",
+}
+
+
+def _missing(packages) -> list[str]:
+    return [package for package in packages if importlib.util.find_spec(package) is None]
+
+
+def check_hybrid_pattern(args) -> None:
+    """``FeatureArgumentError`` for the first layer symbol of a pattern whose packages are not installed."""
+    for dest, flag in PATTERN_FLAGS.items():
+        pattern = getattr(args, dest, None)
+        if not pattern:
+            continue
+        for symbol, (layer, packages) in NEEDS_PACKAGES.items():
+            missing = _missing(packages) if symbol in pattern else []
+            if missing:
+                raise FeatureArgumentError(
+                    f"{flag} {pattern!r} has {layer} layers ({symbol}), whose megatron-core module needs "
+                    f"{' and '.join(packages)} (CUDA/triton kernels); not installed: {', '.join(missing)}. "
+                    "Use attention (*) and MLP (-) layers, or install those packages on a CUDA machine"
+                )

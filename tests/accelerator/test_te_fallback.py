@@ -1,0 +1,181 @@
+"""accelerator.te_fallback: Transformer Engine's layer classes built from megatron-core's local modules.
+
+On this machine Transformer Engine is not installed, so megatron-core's TE classes are mocks (or raising stubs)
+and its TE layer spec cannot build without the fallback. Real megatron-core modules, float64.
+"""
+import argparse
+import types
+
+import pytest
+import torch
+
+from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
+from megatron.core.extensions import transformer_engine as te_classes
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ascendspeed.accelerator import TE_FALLBACK_FEATURE, te_fallback
+from ascendspeed.accelerator.te_fallback import standins
+from ascendspeed.features import FeatureArgumentError, disable_features, enable_features
+from ascendspeed.patching import ABSENT, MANAGER, PatchError, PatchManager, describe_signature, replace
+
+pytestmark = pytest.mark.skipif(not te_fallback.needed(), reason="Transformer Engine is installed")
+
+#: local-spec parameter name -> the TE spec's name for the same weight (the norms move into the linears).
+TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    with mu.one_process_world():
+        yield
+
+
+def test_the_te_classes_are_the_stand_ins_and_listed():
+    for name in ("TENorm", "TELinear", "TELayerNormColumnParallelLinear", "TEColumnParallelLinear",
+                 "TERowParallelLinear", "TEDotProductAttention"):
+        assert getattr(te_classes, name) is getattr(standins, name), name
+    targets = {row["target"] for row in MANAGER.report() if row["feature"] == TE_FALLBACK_FEATURE}
+    assert "megatron.core.extensions.transformer_engine:TELinear" in targets
+    assert "megatron.core.models.gpt.gpt_layer_specs:TESpecProvider" in targets
+
+
+def test_upstream_constructor_of_a_class_stubbed_on_a_mock_is_checked():
+    original = MANAGER.original("megatron.core.extensions.transformer_engine:TERowParallelLinear")
+    assert describe_signature(original).startswith("(input_size, output_size, *, config, init_method, bias, ")
+    module = types.ModuleType("ascendspeed_test_stub_module")
+    module.Stubbed = original
+    import sys
+
+    sys.modules[module.__name__] = module
+    try:
+        manager = PatchManager()
+        with pytest.raises(PatchError, match="signature"):
+            manager.apply("test", [replace(f"{module.__name__}:Stubbed", object, expect="(input_size)")])
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_absent_names_are_added_and_deleted_again():
+    import sys
+
+    module = types.ModuleType("ascendspeed_test_absent_module")
+    sys.modules[module.__name__] = module
+    try:
+        manager = PatchManager()
+        manager.apply("test", [replace(f"{module.__name__}:added", 42, expect=ABSENT)])
+        assert module.added == 42
+        manager.revert("test")
+        assert not hasattr(module, "added")
+        module.present = 1
+        with pytest.raises(PatchError, match="missing"):
+            manager.apply("test", [replace(f"{module.__name__}:present", 2, expect=ABSENT)])
+    finally:
+        del sys.modules[module.__name__]
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"fp8": "hybrid"}, "--fp8-format"),
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"cuda_graph_impl": "local"}, "--cuda-graph-impl"),
+    ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+    ({"transformer_impl": "inference_optimized"}, "--transformer-impl inference_optimized"),
+])
+def test_what_needs_transformer_engine_is_refused_naming_the_flag(flags, named):
+    args = argparse.Namespace(transformer_impl="transformer_engine", fp8=None, tp_comm_overlap=False)
+    te_fallback.check_arguments(args)
+    for dest, value in flags.items():
+        setattr(args, dest, value)
+    with pytest.raises(FeatureArgumentError, match=named):
+        te_fallback.check_arguments(args)
+
+
+# -- the TE layer spec equals the local one, step for step ----------------------------------------------
+def _config(**overrides):
+    settings = dict(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, hidden_dropout=0.0,
+                    attention_dropout=0.0, params_dtype=torch.float64, use_cpu_initialization=True,
+                    bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                    persist_layer_norm=False, gradient_accumulation_fusion=False)
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def _layers(config, normalization):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)   # the local spec's torch norms are made in the default dtype
+    try:
+        local = build_module(get_gpt_layer_local_spec(normalization=normalization), config=config, layer_number=1)
+        te = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+    finally:
+        torch.set_default_dtype(previous)
+    weights = dict(local.named_parameters())
+    with torch.no_grad():
+        for name, param in te.named_parameters():
+            local_name = next((k for k, v in TE_NAMES.items() if v == name), name)
+            param.copy_(weights[local_name] + 0.01 * torch.randn_like(param))
+            weights[local_name].copy_(param)
+    assert set(TE_NAMES.get(n, n) for n in weights) == set(dict(te.named_parameters()))
+    return local, te
+
+
+def _step(layer, hidden):
+    hidden = hidden.clone().requires_grad_(True)
+    output, _ = layer(hidden, attention_mask=None)
+    (output * torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)).sum().backward()
+    grads = {name: param.grad for name, param in layer.named_parameters()}
+    return output.detach(), hidden.grad, grads
+
+
+def _backward_names(tensor):
+    names, stack, seen = set(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("case", ["layernorm", "rmsnorm-swiglu-fused"])
+def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
+    fused = case != "layernorm"
+    if fused:
+        enable_features(swiglu=True, use_fused_swiglu=True, normalization="RMSNorm", use_fused_rmsnorm=True,
+                        transformer_impl="transformer_engine")
+    try:
+        import torch.nn.functional as F
+
+        extra = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu) if fused else {}
+        config = _config(**extra)
+        local, te = _layers(config, config.normalization)
+        assert type(te.self_attention.core_attention).__name__ == "LocalTEDotProductAttention"
+        hidden = torch.randn(8, 2, 32, dtype=torch.float64)
+        expected = _step(local, hidden)
+        found = _step(te, hidden)
+        torch.testing.assert_close(found[0], expected[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(found[1], expected[1], rtol=1e-12, atol=1e-12)
+        for name, grad in expected[2].items():
+            torch.testing.assert_close(found[2][TE_NAMES.get(name, name)], grad, rtol=1e-11, atol=1e-12,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+        if fused:
+            # ascendspeed's features reach the TE spec's modules: the fused RMSNorm inside the layer-norm
+            # linears, the fused SwiGLU in its MLP
+            assert te.mlp.linear_fc1._te_norm.fused and te.self_attention.linear_qkv._te_norm.fused
+            output, _ = te(hidden.clone().requires_grad_(True), attention_mask=None)
+            names = " ".join(_backward_names(output))
+            assert "ascendspeed_swiglu" in names and "ascendspeed_rms_norm" in names, names
+    finally:
+        if fused:
+            disable_features(["fused_swiglu", "local_norm"])
