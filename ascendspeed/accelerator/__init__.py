@@ -8,6 +8,10 @@
 * ``cpu`` otherwise: the shims of feature ``accelerator.cpu`` give Megatron's CUDA spellings CPU meanings
   (see ``cpu_runtime``, ``cpu_tensors``, ``cpu_megatron_core``, ``cpu_megatron_lm``, ``triton_guard``), and
   feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``).
+
+On every device, feature ``accelerator.torch_adam`` lets distributed-optimizer checkpoints resume where
+megatron-core runs ``torch.optim.Adam`` because neither apex nor Transformer Engine is installed (every CPU,
+an NPU without TE; ``torch_adam_checkpoints``); with either installed its patches leave Megatron's code alone.
   They are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
   ``MANAGER.revert(name)`` for one of them).
 
@@ -29,7 +33,8 @@ ENVIRONMENT_VARIABLE = "ASCENDSPEED_DEVICE"
 CPU_FEATURE = "accelerator.cpu"
 GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE)
+TORCH_ADAM_FEATURE = "accelerator.torch_adam"
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TORCH_ADAM_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,13 @@ def gloo_p2p_patches():
     return cpu_megatron_core.p2p_patches()
 
 
+def torch_adam_patches():
+    """The patches of feature ``accelerator.torch_adam`` (every device: they act only without apex and TE)."""
+    from ascendspeed.accelerator import torch_adam_checkpoints
+
+    return torch_adam_checkpoints.patches()
+
+
 def _install_npu(manager: PatchManager) -> None:
     import torch_npu  # noqa: F401
     from torch_npu.contrib import transfer_to_npu  # noqa: F401 - redirects torch.cuda and "cuda" to the NPU
@@ -128,6 +140,7 @@ def install(manager: PatchManager = MANAGER) -> str:
         manager.apply(GLOO_P2P_FEATURE, gloo_p2p_patches())
     elif device == "npu":
         _install_npu(manager)
+    manager.apply(TORCH_ADAM_FEATURE, torch_adam_patches())
     if _installed != device:
         how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
         logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
@@ -165,6 +178,7 @@ __all__ = [
     "FEATURES",
     "GLOO_P2P_FEATURE",
     "NPU_FEATURE",
+    "TORCH_ADAM_FEATURE",
     "current_device",
     "device_type",
     "forced_device",
