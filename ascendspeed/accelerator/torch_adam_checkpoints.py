@@ -13,6 +13,10 @@ resume:
 * ``load_state_dict`` puts *one* step tensor into every parameter's state; ``torch.optim.Adam`` increments
   each parameter's step in place, so after a resume one step advances the count by the number of
   parameters (wrong bias correction). Each parameter gets its own copy.
+* ``_get_main_param_and_optimizer_states`` (every writer of parameter state) returns each tensor of the
+  parameter's optimizer state, ``step`` included: megatron-core 0.15's ``torch_dist`` layout
+  (``dp_reshardable``) then fails to save, asserting that the 0-dim step has the shard's length (later
+  releases skip it there). Every format stores the step in the parameter groups, so it is left out.
 * ``_set_main_param_and_optimizer_states`` (every loader of parameter state) copies each tensor of the
   parameter's optimizer state from the checkpoint's, ``step`` included: ``--ckpt-format torch`` has no
   per-parameter step (``KeyError: 'step'``), ``torch_dist``'s ``dp_reshardable`` layout hands back the
@@ -107,6 +111,19 @@ def wrap_load_state_dict(original):
     return load_state_dict
 
 
+def wrap_get_main_param_and_optimizer_states(original):
+    """``DistributedOptimizer._get_main_param_and_optimizer_states`` without the step (not parameter state)."""
+
+    @functools.wraps(original)
+    def _get_main_param_and_optimizer_states(self, model_param):
+        tensors = original(self, model_param)
+        if uses_torch_adam():
+            tensors.pop("step", None)
+        return tensors
+
+    return _get_main_param_and_optimizer_states
+
+
 @contextlib.contextmanager
 def _step_set_aside(parameter_state: dict):
     step = parameter_state.pop("step", None)
@@ -140,6 +157,9 @@ def patches():
              name="torch adam checkpoints: wrap state_dict, parameters without a step yet count the others' step"),
         wrap(f"{target}.load_state_dict", wrap_load_state_dict, expect="(self, state_dict)",
              name="torch adam checkpoints: wrap load_state_dict, one step tensor per parameter, not a shared one"),
+        wrap(f"{target}._get_main_param_and_optimizer_states", wrap_get_main_param_and_optimizer_states,
+             expect="(self, model_param)",
+             name="torch adam checkpoints: wrap _get_main_param_and_optimizer_states, the step is no parameter state"),
         wrap(f"{target}._set_main_param_and_optimizer_states", wrap_set_main_param_and_optimizer_states,
              expect="(self, model_param, tensors)",
              name="torch adam checkpoints: wrap _set_main_param_and_optimizer_states, no autograd, step left alone"),

@@ -117,10 +117,12 @@ def test_distributed_optimizer_torch_format_fp32(launcher, tmp_path):
     _check(launcher, tmp_path, "fp32", ["--use-distributed-optimizer", "--ckpt-format", "torch"], 1e-6)
 
 
+@pytest.mark.slow  # the torch_dist paths of the bf16 test below and the fp32 state of the one above
 def test_distributed_optimizer_torch_dist_fp32(launcher, tmp_path):
     _check(launcher, tmp_path, "fp32", ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"], 1e-6)
 
 
+@pytest.mark.slow  # the torch-format path of the fp32 test; bf16 as in the test below
 def test_distributed_optimizer_torch_format_bf16(launcher, tmp_path):
     _check(launcher, tmp_path, "bf16-distopt", ["--ckpt-format", "torch"], 0)
 
