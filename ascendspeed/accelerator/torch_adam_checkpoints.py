@@ -151,16 +151,17 @@ def wrap_set_main_param_and_optimizer_states(original):
 
 
 def patches():
-    target = f"{DISTRIB_OPTIMIZER}:DistributedOptimizer"
     return [
-        wrap(f"{target}.state_dict", wrap_state_dict, expect="(self)",
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", wrap_state_dict,
+             expect="(self)",
              name="torch adam checkpoints: wrap state_dict, parameters without a step yet count the others' step"),
-        wrap(f"{target}.load_state_dict", wrap_load_state_dict, expect="(self, state_dict)",
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict", wrap_load_state_dict,
+             expect="(self, state_dict)",
              name="torch adam checkpoints: wrap load_state_dict, one step tensor per parameter, not a shared one"),
-        wrap(f"{target}._get_main_param_and_optimizer_states", wrap_get_main_param_and_optimizer_states,
-             expect="(self, model_param)",
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
+             wrap_get_main_param_and_optimizer_states, expect="(self, model_param)",
              name="torch adam checkpoints: wrap _get_main_param_and_optimizer_states, the step is no parameter state"),
-        wrap(f"{target}._set_main_param_and_optimizer_states", wrap_set_main_param_and_optimizer_states,
-             expect="(self, model_param, tensors)",
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+             wrap_set_main_param_and_optimizer_states, expect="(self, model_param, tensors)",
              name="torch adam checkpoints: wrap _set_main_param_and_optimizer_states, no autograd, step left alone"),
     ]
