@@ -11,8 +11,13 @@
 
 On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
 classes with megatron-core's local modules (``te_fallback``).
-  They are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
-  ``MANAGER.revert(name)`` for one of them).
+
+On every device, feature ``accelerator.torch_adam`` lets distributed-optimizer checkpoints resume where
+megatron-core runs ``torch.optim.Adam`` because neither apex nor Transformer Engine is installed (every CPU,
+an NPU without TE; ``torch_adam_checkpoints``); with either installed its patches leave Megatron's code alone.
+
+All of them are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
+``MANAGER.revert(name)`` for one of them).
 
 ``ASCENDSPEED_DEVICE=cpu|cuda|npu`` forces the choice (a device that is not there is an error).
 Other code asks ``current_device()`` (a ``torch.device``) or ``device_type()`` instead of spelling "cuda".
@@ -33,7 +38,8 @@ CPU_FEATURE = "accelerator.cpu"
 GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
 TE_FALLBACK_FEATURE = "accelerator.te_fallback"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE)
+TORCH_ADAM_FEATURE = "accelerator.torch_adam"
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, TORCH_ADAM_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,13 @@ def te_fallback_patches():
     return te_fallback.patches()
 
 
+def torch_adam_patches():
+    """The patches of feature ``accelerator.torch_adam`` (every device: they act only without apex and TE)."""
+    from ascendspeed.accelerator import torch_adam_checkpoints
+
+    return torch_adam_checkpoints.patches()
+
+
 def _install_npu(manager: PatchManager) -> None:
     import torch_npu  # noqa: F401
     from torch_npu.contrib import transfer_to_npu  # noqa: F401 - redirects torch.cuda and "cuda" to the NPU
@@ -145,6 +158,7 @@ def install(manager: PatchManager = MANAGER) -> str:
 
     if te_fallback.needed():
         manager.apply(TE_FALLBACK_FEATURE, te_fallback_patches())
+    manager.apply(TORCH_ADAM_FEATURE, torch_adam_patches())
     if _installed != device:
         how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
         logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
@@ -183,6 +197,7 @@ __all__ = [
     "GLOO_P2P_FEATURE",
     "NPU_FEATURE",
     "TE_FALLBACK_FEATURE",
+    "TORCH_ADAM_FEATURE",
     "current_device",
     "device_type",
     "forced_device",

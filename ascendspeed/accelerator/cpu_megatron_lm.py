@@ -8,7 +8,14 @@ These wait for their modules to load, so megatron-core-only users never import M
   without an error. During those two calls (only) the count is 1: the CPU is the one device;
 * ``megatron.legacy.fused_kernels.load`` runs ``nvcc``; there are no CUDA kernels to build for the CPU;
 * ``get_device_arch_version`` (validated with tensor parallelism) asks for CUDA device 0's properties: the
-  CPU has no CUDA architecture, so it is 0.
+  CPU has no CUDA architecture, so it is 0;
+* ``build_train_valid_test_data_iterators`` leaves the CPU generator as it found it. Creating a
+  ``DataLoader`` iterator draws its workers' base seed from ``torch.default_generator``. On a GPU that is
+  not the generator dropout draws from; on the CPU it is (``torch.cuda.get_rng_state`` is the CPU
+  generator's, see ``cpu_runtime``). Megatron-LM restores the RNG states of a checkpoint in
+  ``load_checkpoint`` and builds the iterators afterwards, so a resumed run's hidden-dropout masks came one
+  draw later than the uninterrupted run's: not the same training (4e-4 relative at the first resumed
+  iteration). With the generator kept, both runs draw nothing there.
 
 Megatron-LM's argument handling has one owner, ``ascendspeed.integration.megatron_lm``; on the CPU it
 asks this module for the CPU-capable flag defaults (``set_cpu_defaults``), the check of explicit flags
@@ -20,6 +27,8 @@ import contextlib
 import contextvars
 import functools
 import os
+
+import torch
 
 from ascendspeed.patching import EXISTS, replace, wrap
 
@@ -69,6 +78,18 @@ def _wrap_counting_the_cpu(original):
             _CPU_COUNTS_AS_ONE_DEVICE.reset(token)
 
     return counting_the_cpu
+
+
+def _wrap_keeping_the_cpu_generator(original):
+    @functools.wraps(original)
+    def keeping_the_cpu_generator(*args, **kwargs):
+        state = torch.default_generator.get_state()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.default_generator.set_state(state)
+
+    return keeping_the_cpu_generator
 
 
 def load_no_fused_kernels(args) -> None:
@@ -164,6 +185,10 @@ def patches():
                     "use_cudagraphable_rng=False, pp_group=None, dp_group=None, tp_group=None, ep_group=None, "
                     "etp_group=None)",
              megatron=">=0.19", name=seeding),
+        wrap("megatron.training.training:build_train_valid_test_data_iterators", _wrap_keeping_the_cpu_generator,
+             expect="(build_train_valid_test_datasets_provider)",
+             name="megatron-lm on cpu: wrap build_train_valid_test_data_iterators, the data loaders' seed draws "
+                  "leave the CPU generator (dropout's) as the checkpoint restored it"),
         replace("megatron.legacy.fused_kernels:load", load_no_fused_kernels, expect="(args)", megatron="<0.17",
                 name="megatron-lm on cpu: no CUDA fused kernels to build"),
         replace("megatron.training.utils:get_device_arch_version", cpu_device_arch_version, expect="()",

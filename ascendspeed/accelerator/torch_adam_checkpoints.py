@@ -1,0 +1,167 @@
+"""Distributed-optimizer checkpoints on megatron-core's ``torch.optim.Adam`` fallback (no apex, no TE).
+
+Without apex or Transformer Engine (every CPU; an NPU without TE) megatron-core's ``DistributedOptimizer``
+runs ``torch.optim.Adam``, whose iteration count ``step`` is a 0-dim tensor in *every parameter's* state,
+where the fused optimizers keep one per parameter group. Megatron's checkpoint code for that path (the
+branches under ``HAVE_APEX_OR_TE = False`` in ``megatron/core/optimizer/distrib_optimizer.py``) cannot
+resume:
+
+* ``state_dict`` collects the one step of all parameter states and asserts there is exactly one. A fresh
+  optimizer has no parameter state yet, and Megatron-LM's ``torch_dist`` load calls ``state_dict`` on one
+  (``sharded_state_dict(is_loading=True)``): a bare ``AssertionError``. Here the parameters without a step
+  count as having taken the others' step (0 before the first), for that call only.
+* ``load_state_dict`` puts *one* step tensor into every parameter's state; ``torch.optim.Adam`` increments
+  each parameter's step in place, so after a resume one step advances the count by the number of
+  parameters (wrong bias correction). Each parameter gets its own copy.
+* ``_get_main_param_and_optimizer_states`` (every writer of parameter state) returns each tensor of the
+  parameter's optimizer state, ``step`` included: megatron-core 0.15's ``torch_dist`` layout
+  (``dp_reshardable``) then fails to save, asserting that the 0-dim step has the shard's length (later
+  releases skip it there). Every format stores the step in the parameter groups, so it is left out.
+* ``_set_main_param_and_optimizer_states`` (every loader of parameter state) copies each tensor of the
+  parameter's optimizer state from the checkpoint's, ``step`` included: ``--ckpt-format torch`` has no
+  per-parameter step (``KeyError: 'step'``), ``torch_dist``'s ``dp_reshardable`` layout hands back the
+  step the state had *before* the load (the count restarts at 0). The step is not parameter state: it
+  comes from the parameter groups (``load_state_dict``) and is left alone here. It also copies into the
+  main parameter, which for an fp32 parameter is a view of the model's leaf parameter: outside
+  ``torch.no_grad()`` (``--ckpt-format torch``'s ``load_parameter_state_from_dp_zero``) autograd refuses
+  ("a view of a leaf Variable that requires grad is being used in an in-place operation"). The copy runs
+  under ``torch.no_grad()``.
+
+The patches act only when the installed megatron-core took the fallback (``HAVE_APEX_OR_TE`` is False),
+read when they are called (checkpoint code, never per training step); with apex or TE Megatron's code runs
+unchanged. They are applied on every device (feature ``accelerator.torch_adam``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import torch
+
+from ascendspeed.patching import wrap
+
+DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+
+
+def uses_torch_adam() -> bool:
+    """Whether megatron-core's distributed optimizer fell back to ``torch.optim.Adam`` (no apex, no TE)."""
+    return not importlib.import_module(DISTRIB_OPTIMIZER).HAVE_APEX_OR_TE
+
+
+def _parameters(optimizer):
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+@contextlib.contextmanager
+def _every_parameter_has_a_step(optimizer):
+    """Parameters without a ``step`` in their state get the step the others have (0 when none has one)
+    until the block ends; their state is then as it was."""
+    state = optimizer.state
+    steps = {float(s["step"]) for s in state.values() if "step" in s}
+    if len(steps) > 1:
+        yield  # Megatron's own assertion reports the disagreement
+        return
+    step = steps.pop() if steps else 0.0
+    added, created = [], []
+    for param in _parameters(optimizer):
+        if param in state and "step" in state[param]:
+            continue
+        (added if param in state else created).append(param)
+        state[param]["step"] = torch.tensor(step, dtype=torch.float32)
+    try:
+        yield
+    finally:
+        for param in added:
+            del state[param]["step"]
+        for param in created:
+            del state[param]
+
+
+def wrap_state_dict(original):
+    """``DistributedOptimizer.state_dict`` on an optimizer whose parameters have not all taken a step."""
+
+    @functools.wraps(original)
+    def state_dict(self):
+        if not uses_torch_adam() or self.optimizer is None:
+            return original(self)
+        with _every_parameter_has_a_step(self.optimizer):
+            return original(self)
+
+    return state_dict
+
+
+def wrap_load_state_dict(original):
+    """``DistributedOptimizer.load_state_dict``, then one step tensor per parameter instead of a shared one."""
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        result = original(self, state_dict)
+        if uses_torch_adam() and self.optimizer is not None:
+            seen = set()
+            for parameter_state in self.optimizer.state.values():
+                step = parameter_state.get("step")
+                if isinstance(step, torch.Tensor):
+                    if id(step) in seen:
+                        parameter_state["step"] = step.detach().clone()
+                    else:
+                        seen.add(id(step))
+        return result
+
+    return load_state_dict
+
+
+def wrap_get_main_param_and_optimizer_states(original):
+    """``DistributedOptimizer._get_main_param_and_optimizer_states`` without the step (not parameter state)."""
+
+    @functools.wraps(original)
+    def _get_main_param_and_optimizer_states(self, model_param):
+        tensors = original(self, model_param)
+        if uses_torch_adam():
+            tensors.pop("step", None)
+        return tensors
+
+    return _get_main_param_and_optimizer_states
+
+
+@contextlib.contextmanager
+def _step_set_aside(parameter_state: dict):
+    step = parameter_state.pop("step", None)
+    try:
+        yield
+    finally:
+        if step is not None:
+            parameter_state["step"] = step
+
+
+def wrap_set_main_param_and_optimizer_states(original):
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` without autograd and without the step."""
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not uses_torch_adam() or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        tensors = {key: value for key, value in tensors.items() if key != "step"}
+        with torch.no_grad(), _step_set_aside(self.optimizer.state[main_param]):
+            return original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def patches():
+    return [
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", wrap_state_dict,
+             expect="(self)",
+             name="torch adam checkpoints: wrap state_dict, parameters without a step yet count the others' step"),
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict", wrap_load_state_dict,
+             expect="(self, state_dict)",
+             name="torch adam checkpoints: wrap load_state_dict, one step tensor per parameter, not a shared one"),
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._get_main_param_and_optimizer_states",
+             wrap_get_main_param_and_optimizer_states, expect="(self, model_param)",
+             name="torch adam checkpoints: wrap _get_main_param_and_optimizer_states, the step is no parameter state"),
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+             wrap_set_main_param_and_optimizer_states, expect="(self, model_param, tensors)",
+             name="torch adam checkpoints: wrap _set_main_param_and_optimizer_states, no autograd, step left alone"),
+    ]

@@ -1,0 +1,136 @@
+"""Megatron-LM's ``pretrain_gpt.py`` on 2 CPU ranks resumes from its own checkpoints on the exact loss curve.
+
+Each test saves at iteration 3 (``--exit-interval 3``), resumes to iteration 6 and compares every resumed
+iteration's ``lm loss`` with one uninterrupted 6-iteration run of its family (the run is shared by the
+tests whose training is the same: the checkpoint format does not change the training, nor does the
+distributed optimizer on 2 ranks in fp32 (measured: the same losses to the printed digit), nor
+``--reuse-fp32-param``, whose bf16 training is bit-identical to megatron-core's). The model is the issue's:
+ALiBi and the fused SwiGLU, Megatron-LM's default dropout (0.1 on the attention probabilities and the hidden
+states), Adam. Before the fixes of ``ascendspeed/accelerator/torch_adam_checkpoints.py`` every
+distributed-optimizer resume failed (``torch`` format: in-place copy into a leaf view in fp32,
+``KeyError: 'step'`` in bf16; ``torch_dist``: ``assert len(steps) == 1``), and without the distributed
+optimizer the resumed dropout masks were one random draw off (``cpu_megatron_lm``: the data loaders' seed).
+
+From megatron-core 0.16 Megatron-LM logs a process's first iteration without resetting its running sums
+(``training_log(is_first_iteration=True)``), so with ``--log-interval 1`` the second iteration of a process
+prints the mean of its first two: the resumed run's iteration 4 + 1 is compared with that mean of the
+uninterrupted run's iterations 4 and 5 (to 1e-6: three printed values of 7 significant digits).
+"""
+import functools
+import os
+import re
+
+import pytest
+
+from ascendspeed.patching import release
+from tests.helpers.megatron_lm import MEGATRON_LM_PATH, installed_megatron_core
+from tests.helpers.megatron_lm_jobs import run_job
+
+pytestmark = pytest.mark.megatron_lm
+
+LAUNCHER = '''\
+import ascendspeed.megatron_adaptor  # first: device selection, CPU shims, Megatron-LM hooks
+import os
+import runpy
+import sys
+
+sys.path.append(os.environ["MEGATRON_LM_PATH"])
+sys.argv[0] = os.path.join(os.environ["MEGATRON_LM_PATH"], "pretrain_gpt.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+SAVE_AT, ITERATIONS = 3, 6
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERATIONS),
+    "--lr", "2e-3", "--lr-decay-style", "constant",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+    "--position-embedding-type", "alibi", "--swiglu", "--use-fused-swiglu",
+    "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+]
+#: The configurations whose training is the same (their losses are shared), by name.
+FAMILIES = {"fp32": [], "bf16-distopt": ["--use-distributed-optimizer", "--bf16"]}
+#: Whether Megatron-LM's log of a process's second iteration is the mean of its first two (see above).
+SECOND_ITERATION_IS_A_MEAN = release(installed_megatron_core() or "0") >= release("0.16")
+#: The printed losses have 7 significant digits: a mean of two printed values is compared to this.
+PRINTED_MEAN_TOLERANCE = 1e-6
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+)")
+
+
+def _launcher(tmp_root) -> str:
+    path = os.path.join(tmp_root, "pretrain_gpt_cpu.py")
+    if not os.path.exists(path):
+        with open(path, "w") as handle:
+            handle.write(LAUNCHER)
+    return path
+
+
+def _train(launcher, flags):
+    environment = {**os.environ, "ASCENDSPEED_DEVICE": "cpu", "MEGATRON_LM_PATH": MEGATRON_LM_PATH,
+                   "OMP_NUM_THREADS": "1"}
+    environment.pop("MAKEFLAGS", None)
+    returncode, output = run_job(launcher, 2, [*TINY_GPT, *flags], env=environment, cwd=os.path.dirname(launcher),
+                                 timeout=600)
+    assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
+    return {int(step): float(loss) for step, loss in LOSS.findall(output)}, output
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    return _launcher(str(tmp_path_factory.mktemp("megatron_lm_resume")))
+
+
+@functools.cache
+def _uninterrupted(launcher, family):
+    losses, _ = _train(launcher, FAMILIES[family])
+    assert sorted(losses) == list(range(1, ITERATIONS + 1)), losses
+    return losses
+
+
+def _resumed(launcher, checkpoints, flags):
+    """Train to ``SAVE_AT``, save and exit; then load and train to ``ITERATIONS``: the resumed losses."""
+    saved, _ = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
+                                 "--exit-interval", str(SAVE_AT)])
+    assert sorted(saved) == list(range(1, SAVE_AT + 1)), saved
+    resumed, output = _train(launcher, [*flags, "--load", checkpoints])
+    assert sorted(resumed) == list(range(SAVE_AT + 1, ITERATIONS + 1)), f"{resumed}\n{output[-3000:]}"
+    return saved, resumed
+
+
+def _check(launcher, tmp_path, family, extra, tolerance):
+    """Save at ``SAVE_AT``, resume: every resumed iteration's loss is the uninterrupted run's, to
+    ``tolerance`` relative (0: equal as printed)."""
+    reference = _uninterrupted(launcher, family)
+    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra])
+    assert saved == {step: reference[step] for step in saved}, (saved, reference)
+    expected = {step: (reference[step], tolerance) for step in resumed}
+    if SECOND_ITERATION_IS_A_MEAN:
+        first = SAVE_AT + 1
+        expected[first + 1] = ((reference[first] + reference[first + 1]) / 2, max(tolerance, PRINTED_MEAN_TOLERANCE))
+    for step, loss in resumed.items():
+        value, rel = expected[step]
+        assert loss == pytest.approx(value, rel=rel, abs=0), (step, resumed, reference)
+
+
+def test_distributed_optimizer_torch_format_fp32(launcher, tmp_path):
+    _check(launcher, tmp_path, "fp32", ["--use-distributed-optimizer", "--ckpt-format", "torch"], 1e-6)
+
+
+@pytest.mark.slow  # the torch_dist paths of the bf16 test below and the fp32 state of the one above
+def test_distributed_optimizer_torch_dist_fp32(launcher, tmp_path):
+    _check(launcher, tmp_path, "fp32", ["--use-distributed-optimizer", "--ckpt-format", "torch_dist"], 1e-6)
+
+
+@pytest.mark.slow  # the torch-format path of the fp32 test; bf16 as in the test below
+def test_distributed_optimizer_torch_format_bf16(launcher, tmp_path):
+    _check(launcher, tmp_path, "bf16-distopt", ["--ckpt-format", "torch"], 0)
+
+
+def test_distributed_optimizer_torch_dist_bf16_reuse_fp32_param(launcher, tmp_path):
+    _check(launcher, tmp_path, "bf16-distopt", ["--ckpt-format", "torch_dist", "--reuse-fp32-param"], 0)
+
+
+def test_dropout_without_distributed_optimizer(launcher, tmp_path):
+    """Megatron-LM's default format and data-parallel DDP: the hidden-dropout masks draw from the CPU generator."""
+    _check(launcher, tmp_path, "fp32", ["--ckpt-format", "torch_dist"], 1e-6)
