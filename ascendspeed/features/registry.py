@@ -7,4 +7,5 @@ FEATURE_MODULES = (
     "ascendspeed.features.fused_rope",
     "ascendspeed.features.reuse_fp32_param",
     "ascendspeed.features.context_parallel",
+    "ascendspeed.features.moe",
 )
