@@ -33,7 +33,7 @@ def wrap_router_gating_linear(original):
 
 def patches() -> list[Patch]:
     return [
-        wrap(f"{MOE_UTILS}:router_gating_linear", wrap_router_gating_linear,
+        wrap("megatron.core.transformer.moe.moe_utils:router_gating_linear", wrap_router_gating_linear,
              expect="(inp, weight, bias, router_dtype)",
              name="moe: router gating as a plain linear where moe_utils lacks te_general_gemm (wrap)"),
     ]
