@@ -109,6 +109,7 @@ def cpu_patches():
         + cpu_tensors.patches()
         + cpu_megatron_core.rng_patches()
         + cpu_megatron_core.process_group_patches()
+        + cpu_megatron_core.moe_patches()
         + cpu_megatron_lm.patches()
         + triton_guard.patches()
     )

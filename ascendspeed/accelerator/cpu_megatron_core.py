@@ -25,6 +25,10 @@
   again (Megatron's unit tests, ascendspeed's) kept every earlier state's groups alive, ~700 threads per
   rank after a dozen set-ups, all of them waking up. The groups made during ``initialize_model_parallel``
   are destroyed with the state.
+* ``tensor_parallel.mappings.all_to_all`` (the MoE alltoall dispatcher's exchange over the expert-parallel
+  group) receives its split sizes as numpy arrays (the dispatcher copies the token counts to the host);
+  NCCL's binding of ``all_to_all_single`` takes them, gloo's wants lists of ints ("incompatible function
+  arguments"). They are handed on as lists (the autograd function keeps them for backward too).
 """
 from __future__ import annotations
 
@@ -105,6 +109,42 @@ def _wrap_deallocate_output_tensor(original):
             out.ascendspeed_storage_in_flight = in_flight
 
     return deallocate_output_tensor
+
+
+def _split_sizes(sizes):
+    """``None`` or a list of ints, from whatever sequence of counts the caller holds (array, tensor, list)."""
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    return [int(size) for size in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
+
+
+def _wrap_all_to_all_v015(original):
+    @functools.wraps(original)
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
+        return original(group, input_, _split_sizes(output_split_sizes_), _split_sizes(input_split_sizes))
+
+    return all_to_all
+
+
+def _wrap_all_to_all(original):
+    @functools.wraps(original)
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):
+        return original(group, input_, _split_sizes(output_split_sizes_), _split_sizes(input_split_sizes),
+                        use_nccl_stream)
+
+    return all_to_all
+
+
+def moe_patches():
+    name = "gloo all-to-all: MoE split sizes as lists of ints (wrap)"
+    return [
+        wrap("megatron.core.tensor_parallel.mappings:all_to_all", _wrap_all_to_all_v015,
+             expect="(group, input_, output_split_sizes_=None, input_split_sizes=None)", megatron="<0.18",
+             name=name),
+        wrap("megatron.core.tensor_parallel.mappings:all_to_all", _wrap_all_to_all,
+             expect="(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False)",
+             megatron=">=0.18", name=name),
+    ]
 
 
 def rng_patches():

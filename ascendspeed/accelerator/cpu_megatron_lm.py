@@ -42,6 +42,20 @@ CPU_ARGUMENT_DEFAULTS = {
     "distributed_backend": ("gloo", "--distributed-backend gloo"),
 }
 
+#: Megatron-LM MoE flags that need CUDA-only libraries: (dest, value that is refused, the flag, why, the fix).
+#: Megatron-LM's own validation of the first asks the CUDA compute capability, so they are refused before it.
+CPU_MOE_REFUSALS = (
+    ("moe_grouped_gemm", True, "--moe-grouped-gemm",
+     "its grouped expert MLP is Transformer Engine's (TEGroupedMLP, CUDA); megatron-core has no other",
+     "drop --moe-grouped-gemm: the experts then run one after the other (SequentialMLP), the same math"),
+    ("moe_permute_fusion", True, "--moe-permute-fusion",
+     "the fused token permutation is Transformer Engine's (>= 2.1, CUDA)",
+     "drop --moe-permute-fusion: megatron-core's unfused permutation then runs, the same math"),
+    ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
+     "the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only",
+     "use --moe-token-dispatcher-type alltoall (or allgather)"),
+)
+
 _CPU_COUNTS_AS_ONE_DEVICE = contextvars.ContextVar("ascendspeed_cpu_counts_as_one_device", default=False)
 
 
@@ -118,6 +132,12 @@ def _served_otherwise(dest: str, value) -> bool:
 
 def check_cpu_arguments(args) -> None:
     """Reject explicit flags the CPU cannot honour, naming the flag to use instead."""
+    for dest, refused, flag, why, fix in CPU_MOE_REFUSALS:
+        if getattr(args, dest, None) == refused:
+            raise CpuArgumentError(
+                f"ascendspeed runs Megatron-LM on the CPU (no GPU found, or ASCENDSPEED_DEVICE=cpu), which cannot "
+                f"run {flag}: {why}. Fix: {fix}."
+            )
     wrong = [
         (dest, getattr(args, dest), flag)
         for dest, (value, flag) in CPU_ARGUMENT_DEFAULTS.items()

@@ -33,6 +33,7 @@ TYPES_OF_NONE_DEFAULTS: Mapping[str, Any] = {
     "attention_dropout": float,
     "fp8": str,
     "window_size": None,
+    "num_experts": int,
 }
 
 

@@ -386,3 +386,56 @@ def test_invalid_context_parallel_flags_fail_in_validate_args(megatron_lm_argume
 def test_alibi_is_a_choice_of_megatron_lm_flag(megatron_lm_arguments):
     parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     assert parser.parse_args(["--position-embedding-type", "alibi"]).position_embedding_type == "alibi"
+
+
+#: Mixture of experts: top-2 of 4 experts with the load-balancing loss, Megatron's default experts (a bias on
+#: every linear, gelu with the bias-gelu fusion).
+MOE = ["--global-batch-size", "8", "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2"]
+#: The wrap of the experts' MLP.forward asks this for every expert call with routing probabilities.
+MOE_SCALED_AFTER = "ascendspeed.features.moe.mlp:scaled_after"
+#: The gloo shim of the alltoall dispatcher's exchange converts the split sizes here.
+GLOO_SPLIT_SIZES = "ascendspeed.accelerator.cpu_megatron_core:_split_sizes"
+LOAD_BALANCING = re.compile(r"load_balancing_loss: ([0-9.Ee+-]+)")
+
+
+def test_moe_megatron_defaults_two_processes_data_parallel(launcher):
+    """What failed before ascendspeed ("Only support fusion of swiglu and quick_gelu with per_token_scale"):
+    Megatron's defaults (allgather dispatcher, expert parallel 1), 2 data-parallel ranks."""
+    _, calls, output = _checked_run(launcher, 2, MOE, "moe", [MOE_SCALED_AFTER])
+    # 4 experts x 2 layers x 4 micro-batches per rank per step, when every expert received tokens
+    assert all(n > 0 for n in calls.values()), calls
+    assert float(LOAD_BALANCING.findall(output)[-1]) > 0, "no load-balancing loss logged"
+
+
+def test_moe_alltoall_expert_parallel_two_processes(launcher):
+    """Expert parallel 2 over gloo with the alltoall dispatcher (before: gloo's all_to_all_single refused the
+    split sizes)."""
+    flags = [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    _, calls, output = _checked_run(launcher, 2, flags, "moe", [MOE_SCALED_AFTER, GLOO_SPLIT_SIZES])
+    assert all(n > 0 for n in calls.values()), calls
+    assert float(LOAD_BALANCING.findall(output)[-1]) > 0, "no load-balancing loss logged"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-grouped-gemm"], "cannot run --moe-grouped-gemm: its grouped expert MLP is Transformer Engine's"),
+    (["--moe-permute-fusion"], "cannot run --moe-permute-fusion: the fused token permutation is Transformer Engine's"),
+    (["--moe-token-dispatcher-type", "flex"],
+     "cannot run --moe-token-dispatcher-type flex: the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only"),
+])
+def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
+    """Refused before Megatron-LM's own validation (which asks the CUDA compute capability for grouped GEMM)."""
+    from ascendspeed.accelerator.cpu_megatron_lm import CpuArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, *flags])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(CpuArgumentError, match=re.escape(message)):
+        megatron_lm_arguments.validate_args(args, {})
+
+
+def test_fused_swiglu_with_moe_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, "--swiglu", "--use-fused-swiglu"])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match="--use-fused-swiglu does not reach mixture-of-experts layers"):
+        megatron_lm_arguments.validate_args(args, {})
