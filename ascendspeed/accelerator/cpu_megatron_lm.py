@@ -42,12 +42,10 @@ CPU_ARGUMENT_DEFAULTS = {
     "distributed_backend": ("gloo", "--distributed-backend gloo"),
 }
 
-#: Megatron-LM MoE flags that need CUDA-only libraries: (dest, value that is refused, the flag, why, the fix).
-#: Megatron-LM's own validation of the first asks the CUDA compute capability, so they are refused before it.
+#: Megatron-LM MoE flags that need CUDA-only libraries: (dest, value that is refused, the flag, why, the fix),
+#: refused before Megatron-LM's own validation. ``--moe-grouped-gemm`` (TE's grouped linears) is refused by
+#: the TE fallback wherever TE is missing (``te_fallback.validation``), on the CPU too.
 CPU_MOE_REFUSALS = (
-    ("moe_grouped_gemm", True, "--moe-grouped-gemm",
-     "its grouped expert MLP is Transformer Engine's (TEGroupedMLP, CUDA); megatron-core has no other",
-     "drop --moe-grouped-gemm: the experts then run one after the other (SequentialMLP), the same math"),
     ("moe_permute_fusion", True, "--moe-permute-fusion",
      "the fused token permutation is Transformer Engine's (>= 2.1, CUDA)",
      "drop --moe-permute-fusion: megatron-core's unfused permutation then runs, the same math"),

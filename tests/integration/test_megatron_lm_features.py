@@ -416,14 +416,24 @@ def test_moe_alltoall_expert_parallel_two_processes(launcher):
     assert float(LOAD_BALANCING.findall(output)[-1]) > 0, "no load-balancing loss logged"
 
 
+def test_moe_grouped_gemm_without_transformer_engine_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
+    """Refused before Megatron-LM's own validation asks the CUDA compute capability for grouped GEMM."""
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, "--moe-grouped-gemm"])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match="cannot run with --moe-grouped-gemm True: grouped-GEMM experts "
+                                                   "are TE's grouped linears"):
+        megatron_lm_arguments.validate_args(args, {})
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--moe-grouped-gemm"], "cannot run --moe-grouped-gemm: its grouped expert MLP is Transformer Engine's"),
     (["--moe-permute-fusion"], "cannot run --moe-permute-fusion: the fused token permutation is Transformer Engine's"),
     (["--moe-token-dispatcher-type", "flex"],
      "cannot run --moe-token-dispatcher-type flex: the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only"),
 ])
 def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
-    """Refused before Megatron-LM's own validation (which asks the CUDA compute capability for grouped GEMM)."""
+    """Refused before Megatron-LM's own validation, naming the flag and the alternative."""
     from ascendspeed.accelerator.cpu_megatron_lm import CpuArgumentError
 
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, *flags])
