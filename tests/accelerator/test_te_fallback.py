@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from tests.helpers.autograd_graph import backward_nodes
 from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
 from megatron.core.extensions import transformer_engine as te_classes
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -136,18 +137,6 @@ def _step(layer, hidden):
     return output.detach(), hidden.grad, grads
 
 
-def _backward_names(tensor):
-    names, stack, seen = set(), [tensor.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm-swiglu-fused"])
 def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
     fused = case != "layernorm"
@@ -174,7 +163,7 @@ def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
             # linears, the fused SwiGLU in its MLP
             assert te.mlp.linear_fc1._te_norm.fused and te.self_attention.linear_qkv._te_norm.fused
             output, _ = te(hidden.clone().requires_grad_(True), attention_mask=None)
-            names = " ".join(_backward_names(output))
+            names = " ".join(backward_nodes(output))
             assert "ascendspeed_swiglu" in names and "ascendspeed_rms_norm" in names, names
     finally:
         if fused:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
+from tests.helpers.autograd_graph import backward_nodes
 from tests.helpers.distributed import run_distributed
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -122,18 +123,6 @@ def run_mlp(module, hidden):
     grads = {name: param.grad.clone() for name, param in module.named_parameters()}
     grads["input"] = hidden.grad
     return output.detach(), output_bias, grads, FUSED_BACKWARD_NODE in backward_nodes(output)
-
-
-def backward_nodes(tensor):
-    names, stack, seen = set(), [tensor.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(node.name())
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
