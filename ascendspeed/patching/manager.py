@@ -6,7 +6,9 @@ Rules it enforces:
   finishes loading (an import hook), so the adaptor can be imported before or after Megatron;
 * copies of the original bound elsewhere by ``from module import name`` are swept and swapped too, in
   every loaded module and in every module that loads later (ascendspeed's own modules excepted: they
-  keep originals on purpose; others ask ``PatchManager.original(target)``);
+  keep originals on purpose; others ask ``PatchManager.original(target)``); the pass over the loaded
+  modules happens once per ``apply`` call, for all its newly patched targets, and never again for them:
+  later patches on a target and ``revert`` rewrite only the copies on record;
 * at most one ``replace`` per target: a second one, from any feature, is an error naming both;
 * wraps stack on top of the replacement (or the original) in the order they were applied, the last
   applied outermost;
@@ -146,7 +148,7 @@ class PatchManager:
         """
         installed = installed_version()
         with self._lock:
-            added = []
+            added, new_targets = [], []
             try:
                 for patch in patches:
                     if patch.megatron is not None and installed not in patch.megatron:
@@ -159,11 +161,12 @@ class PatchManager:
                         self._pending.setdefault(patch.module_name, []).append(entry)
                         self._ensure_hook()
                     else:
-                        self._apply_now(entry, module)
+                        new_targets.extend(self._apply_now(entry, module))
                     added.append(entry)
             except PatchError:
                 self._withdraw(added)
                 raise
+            self._sweep_loaded_modules(new_targets)
 
     def _withdraw(self, entries: list) -> None:
         """Undo exactly ``entries`` (applied or pending), restoring originals where nothing else remains."""
@@ -197,7 +200,10 @@ class PatchManager:
                     del self._pending[module_name]
             for name in list(self._targets):
                 record = self._targets[name]
-                record.applied = [e for e in record.applied if feature is not None and e.feature != feature]
+                kept = [e for e in record.applied if feature is not None and e.feature != feature]
+                if len(kept) == len(record.applied):
+                    continue
+                record.applied = kept
                 if record.applied:
                     self._install(record)
                 else:
@@ -250,7 +256,8 @@ class PatchManager:
         spec = getattr(module, "__spec__", None)
         return bool(spec is not None and getattr(spec, "_initializing", False))
 
-    def _apply_now(self, entry: _AppliedPatch, module) -> None:
+    def _apply_now(self, entry: _AppliedPatch, module) -> list[_Target]:
+        """Install ``entry``; returns its target when this made it patched (a sweep of loaded modules is due)."""
         patch = entry.patch
         record = self._targets.get(patch.target)
         if record is None:
@@ -258,9 +265,11 @@ class PatchManager:
         self._check_conflict(record, entry)
         record.applied.append(entry)
         self._install(record)
-        if patch.target not in self._targets:
-            self._targets[patch.target] = record
-            self._ensure_hook()
+        if patch.target in self._targets:
+            return []
+        self._targets[patch.target] = record
+        self._ensure_hook()
+        return [record] if record.sweep else []
 
     def _new_record(self, entry: _AppliedPatch, module) -> _Target:
         patch = entry.patch
@@ -318,23 +327,35 @@ class PatchManager:
 
     # -- installing, sweeping, restoring --------------------------------------------------------
     def _install(self, record: _Target) -> None:
+        """Set the target's effective value, and in every copy a sweep found (a new target is swept next)."""
         new = record.effective_value()
         setattr(record.owner, record.attribute, new)
         record.current = new
-        if record.sweep:
-            for (_, key), namespace in record.swept.items():
-                namespace[key] = new
-            for module in list(sys.modules.values()):
-                self._sweep_module(record, module)
+        for (_, key), namespace in record.swept.items():
+            namespace[key] = new
 
-    def _sweep_module(self, record: _Target, module) -> None:
-        """Point copies of the original in an already-loaded ``module`` at the patch, remembering them."""
-        namespace = getattr(module, "__dict__", None)
-        if namespace is None or module is record.owner or _is_own_module(module):
+    def _sweep_loaded_modules(self, records: list[_Target]) -> None:
+        """Point copies of the targets' originals in every loaded module at the patches, remembering them.
+
+        One pass over all modules for a whole batch of newly patched targets: once swept, a target's copies
+        are known (modules loading later are handled on load), so patches added to or reverted from it
+        later update those copies without another pass.
+        """
+        originals: dict[int, list[_Target]] = {}
+        for record in records:
+            originals.setdefault(id(record.original), []).append(record)
+        if not originals:
             return
-        for key, value in list(namespace.items()):
-            if value is record.original:
-                self._rebind(record, namespace, key)
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if namespace is None or _is_own_module(module):
+                continue
+            copies = [(key, id(value)) for key, value in list(namespace.items()) if id(value) in originals]
+            for key, identity in copies:
+                for record in originals[identity]:
+                    if module is not record.owner:
+                        self._rebind(record, namespace, key)
+                        break
 
     @staticmethod
     def _rebind(record: _Target, namespace: dict, key: str) -> None:
@@ -360,8 +381,10 @@ class PatchManager:
         the target's own name, so that a module defining the replacement is never mistaken for a copy.
         """
         with self._lock:
+            new_targets = []
             for entry in self._pending.pop(module.__name__, []):
-                self._apply_now(entry, module)
+                new_targets.extend(self._apply_now(entry, module))
+            self._sweep_loaded_modules(new_targets)
             namespace = getattr(module, "__dict__", None)
             records = [r for r in self._targets.values() if r.sweep and r.owner is not module]
             if namespace is None or not records or _is_own_module(module):

@@ -15,6 +15,7 @@ import sysconfig
 import pytest
 
 import ascendspeed
+from tests.helpers.compiled import with_torch_compile
 from tests.helpers.megatron_lm import MEGATRON_LM_PATH, add_megatron_lm_to_path
 from tests.helpers.megatron_lm_jobs import run_job
 
@@ -67,7 +68,8 @@ def _train(launcher, processes, *flags, timeout=420, torchrun=False):
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
             launcher, *TINY_GPT, *flags,
         ]
-        done = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, env=with_torch_compile(_environment()), capture_output=True, text=True,
+                              timeout=timeout)
         returncode, output = done.returncode, done.stdout + done.stderr
     else:
         returncode, output = run_job(launcher, processes, [*TINY_GPT, *flags], env=_environment(),

@@ -331,7 +331,7 @@ def _two_rank_worker(rank, world_size):
         "--position-embedding-type", "alibi", "--tensor-model-parallel-size", "2",
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "8", "--train-iters", "30", "--lr-warmup-iters", "3", "--lr", "3e-3",
-        "--eval-interval", "1000", "--log-interval", "1000", "--eval-seq-lengths", "64",
+        "--eval-interval", "1000", "--log-interval", "1000", "--eval-seq-lengths", "64", "--split", "998,2",
     ], world_size=world_size)
     result = train(args)
     return {

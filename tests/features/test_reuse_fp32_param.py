@@ -218,6 +218,7 @@ def _checkpoint_worker(rank, world_size, directory, extra):
     tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--lr", "5e-3", "--min-lr", "5e-4", "--lr-warmup-iters", "2",
             "--eval-iters", "1", "--log-interval", "100", "--eval-interval", "0", "--eval-seq-lengths", "32",
+            "--split", "998,2",
             "--bf16", "--lr-decay-iters", "8", *extra]
 
     def run(reuse, *flags):

@@ -260,3 +260,33 @@ def test_a_feature_is_applied_all_or_nothing(modules):
             replace(f"{target}:Layer.forward", lambda self, x: x, expect="(self, y)"),
         ])
     assert tgt.scale is original and manager.report() == []
+
+
+def test_loaded_modules_are_swept_once_per_apply_and_never_on_revert(modules, monkeypatch):
+    """A pass over every loaded module is the manager's one costly step (thousands of modules under
+    Megatron): a batch of patches shares one pass, and reverting a feature only rewrites the copies the pass
+    found. Reverting one feature used to re-sweep every other feature's targets, several seconds each."""
+    manager, target, consumer = modules
+    tgt = importlib.import_module(target)
+    use = importlib.import_module(consumer)
+    original_scale, original_forward = tgt.scale, tgt.Layer.forward
+    passes = []
+    sweep = PatchManager._sweep_loaded_modules
+
+    def counted_sweep(self, records):
+        if records:
+            passes.append(len(records))
+        sweep(self, records)
+
+    monkeypatch.setattr(PatchManager, "_sweep_loaded_modules", counted_sweep)
+    manager.apply("first", [replace(f"{target}:scale", tripled, expect=SCALE),
+                            replace(f"{target}:Layer.forward", lambda self, x: x + 2, expect="(self, x)")])
+    assert passes == [1], "one pass for the batch (only the module-level function has copies to sweep)"
+    manager.apply("second", [wrap(f"{target}:scale", add_one, expect=SCALE)])
+    assert passes == [1], "a target already patched has its copies on record"
+    assert use.use(2) == 7 and use.scale is tgt.scale
+    manager.revert("second")
+    assert passes == [1] and use.use(2) == 6 and use.scale is tripled
+    manager.revert("first")
+    assert passes == [1]
+    assert tgt.scale is original_scale and use.scale is original_scale and tgt.Layer.forward is original_forward

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.compiled import with_torch_compile
 from tests.helpers.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def test_torchrun_two_processes_train_and_report(flags):
         "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
         "--train-iters", "30", "--log-interval", "10", "--eval-interval", "15", "--eval-seq-lengths", "64", "128",
     ]
-    env = dict(os.environ, ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
+    env = dict(with_torch_compile(), ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -75,7 +76,7 @@ def _checkpoint_worker(rank, world_size, directory, extra):
 
     def run(*flags):
         args = parse_args([*TINY, *extra, "--log-interval", "100", "--eval-interval", "0",
-                           "--eval-seq-lengths", "64", *flags], world_size=world_size)
+                           "--eval-seq-lengths", "64", "--split", "998,2", *flags], world_size=world_size)
         return train(args)
 
     straight = run("--train-iters", "8")

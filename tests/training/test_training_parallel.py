@@ -121,7 +121,7 @@ def _ring_overlap_worker(rank, world_size):
     from ascendspeed.training.trainer import train
 
     flags = ["--context-parallel-size", "2", "--log-cp-ring-overlap", "--train-iters", "4", "--log-interval", "2",
-             "--eval-iters", "1", "--eval-interval", "0", "--eval-seq-lengths", "32"]
+             "--eval-iters", "1", "--eval-interval", "0", "--eval-seq-lengths", "32", "--split", "998,2"]
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
