@@ -416,6 +416,29 @@ def test_moe_alltoall_expert_parallel_two_processes(launcher):
     assert float(LOAD_BALANCING.findall(output)[-1]) > 0, "no load-balancing loss logged"
 
 
+#: What DeepSeek-V3- and Qwen-style MoE models add to the router and the layer.
+MOE_VARIANTS = {
+    "sigmoid-expert-bias-group-limited-seq-aux-z-loss-shared-expert": [
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-num-groups", "2", "--moe-router-group-topk", "1", "--moe-router-topk-scaling-factor", "2.5",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-z-loss-coeff", "1e-3",
+        "--moe-shared-expert-intermediate-size", "64", "--disable-bias-linear",  # Megatron: no bias in shared experts
+    ],
+    "capacity-factor-drop-and-pad": ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+}
+
+
+@pytest.mark.parametrize("variant", list(MOE_VARIANTS))
+def test_moe_routing_variants_expert_parallel_two_processes(launcher, variant):
+    """Sigmoid scores with an expert bias (aux-loss-free balancing), group-limited routing, the sequence
+    auxiliary and z losses and a shared expert; a capacity factor that drops and pads: expert parallel 2,
+    alltoall."""
+    flags = [*MOE, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+             *MOE_VARIANTS[variant]]
+    _, calls, _ = _checked_run(launcher, 2, flags, "moe", [MOE_SCALED_AFTER, GLOO_SPLIT_SIZES])
+    assert all(n > 0 for n in calls.values()), calls
+
+
 def test_moe_grouped_gemm_without_transformer_engine_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
     """Refused before Megatron-LM's own validation asks the CUDA compute capability for grouped GEMM."""
     from ascendspeed.features import FeatureArgumentError

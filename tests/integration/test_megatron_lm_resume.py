@@ -1,4 +1,5 @@
-"""Megatron-LM's ``pretrain_gpt.py`` on 2 CPU ranks resumes from its own checkpoints on the exact loss curve.
+"""Megatron-LM's ``pretrain_gpt.py`` on 2 CPU ranks resumes from its own checkpoints on the exact loss curve,
+data-parallel and in each model-parallel layout 2 ranks allow (TP with SP, PP, CP).
 
 Each test saves at iteration 3 (``--exit-interval 3``), resumes to iteration 6 and compares every resumed
 iteration's ``lm loss`` with one uninterrupted 6-iteration run of its family (the run is shared by the
@@ -49,8 +50,16 @@ TINY_GPT = [
     "--position-embedding-type", "alibi", "--swiglu", "--use-fused-swiglu",
     "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
 ]
-#: The configurations whose training is the same (their losses are shared), by name.
-FAMILIES = {"fp32": [], "bf16-distopt": ["--use-distributed-optimizer", "--bf16"]}
+#: The configurations whose training is the same (their losses are shared), by name. Each model-parallel
+#: layout trains differently (its reductions, and the dropout streams of the model-parallel RNG tracker).
+FAMILIES = {
+    "fp32": [],
+    "bf16-distopt": ["--use-distributed-optimizer", "--bf16"],
+    "tp2-sp": ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
+    # context parallelism refuses attention-probability dropout (docs/features/context-parallel.md)
+    "cp2": ["--use-distributed-optimizer", "--context-parallel-size", "2", "--attention-dropout", "0"],
+}
 #: Whether Megatron-LM's log of a process's second iteration is the mean of its first two (see above).
 SECOND_ITERATION_IS_A_MEAN = release(installed_megatron_core() or "0") >= release("0.16")
 #: The printed losses have 7 significant digits: a mean of two printed values is compared to this.
@@ -134,3 +143,10 @@ def test_distributed_optimizer_torch_dist_bf16_reuse_fp32_param(launcher, tmp_pa
 def test_dropout_without_distributed_optimizer(launcher, tmp_path):
     """Megatron-LM's default format and data-parallel DDP: the hidden-dropout masks draw from the CPU generator."""
     _check(launcher, tmp_path, "fp32", ["--ckpt-format", "torch_dist"], 1e-6)
+
+
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "cp2"])
+def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher, tmp_path, layout):
+    """TP 2 with sequence parallelism (hidden dropout from the model-parallel RNG tracker), PP 2 (each stage
+    saves its own layers) and CP 2, with the distributed optimizer, in ``torch_dist``."""
+    _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
