@@ -11,6 +11,7 @@ Megatron-LM's imports, without their ~8 s of CPU per rank.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -71,9 +72,14 @@ def _run_rank(rank: int, request: dict, port: int) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # What a real rank's interpreter does at exit: among others, multiprocessing stops the processes the
+        # rank started (torch_dist's checkpoint writer starts some); without it they outlive the job.
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
 
 def _run_job(request: dict) -> dict:

@@ -50,6 +50,12 @@ TINY_GPT = [
     "--position-embedding-type", "alibi", "--swiglu", "--use-fused-swiglu",
     "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
 ]
+#: Across layouts: no dropout (each layout draws other masks), and one padded vocabulary: Megatron pads it to a
+#: multiple of --make-vocab-size-divisible-by x TP (by default 128 rows at TP 1 but 256 at TP 2). The null
+#: tokenizer has --vocab-size tokens from 0.16 on and one more (its end of document) before: 127 pads to 128
+#: on both releases at both layouts (the later flag wins).
+NO_DROPOUT = ["--use-distributed-optimizer", "--attention-dropout", "0", "--hidden-dropout", "0",
+              "--make-vocab-size-divisible-by", "64", "--vocab-size", "127"]
 #: The configurations whose training is the same (their losses are shared), by name. Each model-parallel
 #: layout trains differently (its reductions, and the dropout streams of the model-parallel RNG tracker).
 FAMILIES = {
@@ -59,7 +65,17 @@ FAMILIES = {
     "pp2": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
     # context parallelism refuses attention-probability dropout (docs/features/context-parallel.md)
     "cp2": ["--use-distributed-optimizer", "--context-parallel-size", "2", "--attention-dropout", "0"],
+    # No dropout: the same training in another layout draws other masks.
+    "dp2-no-dropout": [*NO_DROPOUT],
+    "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
+    "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],
 }
+#: Across layouts the reductions differ (a tensor-parallel all-reduce against one GEMM): the entry's layout
+#: tests allow the same.
+ACROSS_LAYOUTS_TOLERANCE = 2e-5
+#: Megatron-LM saves the distributed optimizer's state reshardable across TP / PP only when told so (on 0.19
+#: the default is "dp_reshardable": "(TP, PP) mismatch after resume ... not supported for DistributedOptimizer").
+RESHARDABLE = ["--dist-ckpt-optim-fully-reshardable"]
 #: Whether Megatron-LM's log of a process's second iteration is the mean of its first two (see above).
 SECOND_ITERATION_IS_A_MEAN = release(installed_megatron_core() or "0") >= release("0.16")
 #: The printed losses have 7 significant digits: a mean of two printed values is compared to this.
@@ -97,21 +113,23 @@ def _uninterrupted(launcher, family):
     return losses
 
 
-def _resumed(launcher, checkpoints, flags):
-    """Train to ``SAVE_AT``, save and exit; then load and train to ``ITERATIONS``: the resumed losses."""
+def _resumed(launcher, checkpoints, flags, resume_flags=None):
+    """Train to ``SAVE_AT``, save and exit; then load (with ``resume_flags``, default the same flags) and train
+    to ``ITERATIONS``: the resumed losses."""
     saved, _ = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
                                  "--exit-interval", str(SAVE_AT)])
     assert sorted(saved) == list(range(1, SAVE_AT + 1)), saved
-    resumed, output = _train(launcher, [*flags, "--load", checkpoints])
+    resumed, output = _train(launcher, [*(flags if resume_flags is None else resume_flags), "--load", checkpoints])
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERATIONS + 1)), f"{resumed}\n{output[-3000:]}"
     return saved, resumed
 
 
-def _check(launcher, tmp_path, family, extra, tolerance):
-    """Save at ``SAVE_AT``, resume: every resumed iteration's loss is the uninterrupted run's, to
-    ``tolerance`` relative (0: equal as printed)."""
+def _check(launcher, tmp_path, family, extra, tolerance, resume_in=None):
+    """Save at ``SAVE_AT``, resume (in family ``resume_in``'s layout, default the same): every resumed
+    iteration's loss is the uninterrupted run's, to ``tolerance`` relative (0: equal as printed)."""
     reference = _uninterrupted(launcher, family)
-    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra])
+    resume_flags = None if resume_in is None else [*FAMILIES[resume_in], *extra]
+    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags)
     assert saved == {step: reference[step] for step in saved}, (saved, reference)
     expected = {step: (reference[step], tolerance) for step in resumed}
     if SECOND_ITERATION_IS_A_MEAN:
@@ -150,3 +168,21 @@ def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher,
     """TP 2 with sequence parallelism (hidden dropout from the model-parallel RNG tracker), PP 2 (each stage
     saves its own layers) and CP 2, with the distributed optimizer, in ``torch_dist``."""
     _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
+
+
+PP_TO_DP_DRIFTS = pytest.mark.xfail(
+    strict=True,
+    reason="known, not yet understood: saved at PP 2 and resumed at DP 2, the first resumed loss is 3e-4 to 9e-4 "
+           "off the PP 2 run's (with and without ascendspeed's features, megatron-core 0.19.2); TP 2 <-> DP 2 is exact",
+)
+
+
+@pytest.mark.parametrize("saved_in, resumed_in", [("tp2-no-dropout", "dp2-no-dropout"),
+                                                  ("dp2-no-dropout", "tp2-no-dropout"),
+                                                  pytest.param("pp2-no-dropout", "dp2-no-dropout",
+                                                               marks=PP_TO_DP_DRIFTS)])
+def test_a_checkpoint_resumes_in_another_layout(launcher, tmp_path, saved_in, resumed_in):
+    """``torch_dist`` reshards (the distributed optimizer's state included): saved at TP 2 and resumed at DP 2,
+    or the reverse, the run goes on as the saving layout would have."""
+    _check(launcher, tmp_path, saved_in, ["--ckpt-format", "torch_dist", *RESHARDABLE], ACROSS_LAYOUTS_TOLERANCE,
+           resume_in=resumed_in)
