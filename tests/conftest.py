@@ -7,8 +7,9 @@ import pytest
 os.environ.setdefault("ASCENDSPEED_DEVICE", "cpu")
 # Megatron compiles its bias-GELU, bias-SwiGLU and bias-dropout-add fusions with torch.compile in every new
 # process: 4-16 s per process on 2 cores, more than most test bodies. The suite runs them eagerly; the
-# real-torchrun runs of Megatron-LM and of the entry keep torch.compile (``tests.helpers.compiled.
-# with_torch_compile``), so the compiled path still runs on every release CI tests.
+# real-torchrun training runs of Megatron-LM (tests/accelerator/test_megatron_lm_on_cpu.py) and of the entry
+# (tests/training/test_pretrain_gpt.py) keep torch.compile (``tests.helpers.compiled.with_torch_compile``),
+# so the compiled path still runs on every release CI tests.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 
