@@ -3,10 +3,10 @@
 A checkpoint only resumes into the model that wrote it: ``load_state_dict`` catches a changed shape with a
 ``RuntimeError`` naming tensors, and misses what changes no shape at all (ALiBi and RoPE weights have the
 same shapes). So every checkpoint carries a small record of the flags that define the model and of the
-flags that decide how its optimizer state is stored, in ``metadata.json`` beside the rank files. It is
-plain JSON, independent of how the weights are stored, so a checkpoint written by another writer (e.g.
-``megatron.core.dist_checkpointing``) can carry the same record. A resume compares it before any weight
-is read and names each flag that differs with both values.
+flags that decide how its optimizer state is stored, in ``ascendspeed_record.json`` beside Megatron's
+distributed-checkpoint files (whose own ``metadata.json`` says how they are stored; checkpoints of the
+rank-file format kept the record under that name). A resume compares it before any weight is read and names
+each flag that differs with both values.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-METADATA_FILE = "metadata.json"
+METADATA_FILE = "ascendspeed_record.json"
+#: Where checkpoints of the rank-file format (before Megatron's distributed format) kept the record.
+RANK_FILE_FORMAT_METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
 
 #: Entries derived from a flag: the entry is compared, the flag only named (``--make-vocab-size-divisible-by
@@ -108,7 +110,7 @@ def as_flags(changes: list[tuple[str, object, object]], saved: dict) -> str:
 
 def write(directory: Path, iteration: int, layout: dict, args: argparse.Namespace, padded_vocab_size: int,
           atomic_write: Callable) -> Path:
-    """Write ``directory/metadata.json`` (rank 0, after every rank file is complete)."""
+    """Write ``directory/ascendspeed_record.json`` (rank 0, after every rank has written its part)."""
     record = {
         "format": FORMAT_VERSION,
         "iteration": iteration,
@@ -124,10 +126,13 @@ def write(directory: Path, iteration: int, layout: dict, args: argparse.Namespac
 
 
 def read(directory: Path) -> Optional[dict]:
-    """The record of a checkpoint directory; None for a checkpoint written before records existed."""
+    """The record of a checkpoint directory; None for a checkpoint written before records existed or by
+    another program (Megatron-LM)."""
     path = directory / METADATA_FILE
     if not path.is_file():
-        return None
+        path = directory / RANK_FILE_FORMAT_METADATA_FILE
+        if not path.is_file() or not any(directory.glob("rank_*.pt")):
+            return None
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as cause:

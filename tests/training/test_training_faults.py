@@ -8,6 +8,7 @@ limit for the full disk), nothing is mocked.
 import gzip
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.checkpoints import stored_tensors
 from tests.helpers.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -226,7 +228,7 @@ def _damaged_checkpoint_worker(rank, world_size, root):
 
     directory = Path(root) / "ckpt"
     tracker = directory / "latest_checkpointed_iteration.txt"
-    rank_one = directory / "iter_0000002" / "rank_00001.pt"
+    shard = directory / "iter_0000002" / "__0_0.distcp"  # data-parallel replicas: rank 0 writes every tensor
     _train(world_size, "--train-iters", "2", "--save", str(directory))
     outcomes = {}
 
@@ -239,12 +241,12 @@ def _damaged_checkpoint_worker(rank, world_size, root):
     def resume():
         return _train(world_size, "--train-iters", "2", "--load", str(directory))[1]
 
-    original = rank_one.read_bytes()
-    damage(lambda: rank_one.write_bytes(original[: len(original) // 2]))
+    original = shard.read_bytes()
+    damage(lambda: shard.write_bytes(original[: len(original) // 2]))
     outcomes["truncated"] = resume()
-    damage(lambda: rank_one.write_bytes(b""))
+    damage(lambda: shard.write_bytes(b""))
     outcomes["empty_file"] = resume()
-    damage(lambda: rank_one.write_bytes(original))
+    damage(lambda: shard.write_bytes(original))
     damage(lambda: tracker.write_text(""))
     outcomes["empty_tracker"] = resume()
     damage(lambda: tracker.write_text("99\n"))
@@ -257,16 +259,13 @@ def _damaged_checkpoint_worker(rank, world_size, root):
 def test_damaged_checkpoints_name_the_file_and_the_cause_on_every_rank(tmp_path):
     results = run_distributed(_damaged_checkpoint_worker, 2, str(tmp_path), timeout=300)
     ckpt = tmp_path / "ckpt"
-    rank_one = ckpt / "iter_0000002" / "rank_00001.pt"
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     for rank, outcome in enumerate(results):
         for case in ("truncated", "empty_file"):
             kind, message = outcome[case]
             assert kind == "CheckpointError", case
-            if rank == 1:
-                assert f"cannot read checkpoint file {rank_one}" in message and "damaged or truncated" in message
-            else:
-                assert "failed on rank(s) [1]" in message
+            assert re.search(f"cannot (load|read) checkpoint {re.escape(str(ckpt / 'iter_0000002'))}", message), message
+            assert "rank 0: EOFError" in message and "damaged" in message
         assert f"checkpoint tracker {tracker} holds ''" in outcome["empty_tracker"][1]
         assert f"names iteration 99, but {ckpt / 'iter_0000099'} does not exist" in outcome["missing_iteration"][1]
         assert "holds iter_0000002 but no latest_checkpointed_iteration.txt" in outcome["no_tracker"][1]
@@ -289,7 +288,7 @@ def _full_disk_worker(rank, world_size, root):
     return {
         "error": error,
         "tracker": (directory / "latest_checkpointed_iteration.txt").read_text(),
-        "iter_3": sorted(p.name for p in (directory / "iter_0000003").iterdir()),
+        "saved": sorted(p.name for p in directory.iterdir()),
     }
 
 
@@ -298,10 +297,11 @@ def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path):
     for rank, outcome in enumerate(results):
         kind, message = outcome["error"]
         assert kind == "CheckpointError"
-        assert f"cannot write checkpoint file {tmp_path / 'ckpt' / 'iter_0000003' / f'rank_0000{rank}.pt'}" in message
+        assert f"cannot write checkpoint {tmp_path / 'ckpt' / 'iter_0000003'} (staged in " in message
         assert "File too large" in message and "MiB free" in message
         assert outcome["tracker"] == "2\n"
-        assert outcome["iter_3"] == []  # no partial file under a final or temporary name
+        # no partial checkpoint under its final or its staging name
+        assert outcome["saved"] == [".ascendspeed_save.lock", "iter_0000002", "latest_checkpointed_iteration.txt"]
 
 
 # -- divergence (item 2) ---------------------------------------------------------------------------------
@@ -325,9 +325,8 @@ def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
         assert outcome["latest"] is None or outcome["latest"] < stopped
     latest = results[0]["latest"]
     if latest is not None:
-        for rank in range(2):
-            state = torch.load(directory / f"iter_{latest:07d}" / f"rank_0000{rank}.pt", weights_only=False)
-            assert all(torch.isfinite(t).all() for t in state["model"][0].values() if torch.is_tensor(t))
+        tensors = stored_tensors(directory / f"iter_{latest:07d}")
+        assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
 
 
 def _free_port() -> int:
@@ -365,9 +364,13 @@ def _digests(tensors) -> list[str]:
     return sorted(hashlib.sha1(t.detach().float().contiguous().numpy().tobytes()).hexdigest() for t in tensors)
 
 
-def _resumed(world_size, *flags):
-    """Build and resume a trainer as ``train`` does, look inside, then train on; returns what it saw."""
+def _resumed(world_size, root, *flags):
+    """Build and resume a trainer as ``train`` does, save what it loaded (fingerprinted as ``_saved``), then
+    train on; returns what it saw."""
+    import hashlib
+
     from ascendspeed.features import apply_features, disable_features
+    from ascendspeed.training import checkpointing
     from ascendspeed.training.arguments import parse_args
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.model import unwrap
@@ -378,21 +381,12 @@ def _resumed(world_size, *flags):
     state = initialize_parallel(args)
     try:
         trainer = Trainer(args, state.device)
-        gpt = unwrap(trainer.model[0])
-        weights = [param for _, param in gpt.named_parameters()]
-        seen = {"weights": _digests(weights), "start": trainer.iteration}
-        parts = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
-        if args.use_distributed_optimizer:
-            shard = parts[0].get_parameter_state_dp_reshardable()
-            entries = [entry for buckets in shard[0].values() for bucket in buckets for entry in bucket]
-            seen["main"] = _digests(entry["param"] for entry in entries)
-            seen["exp_avg"] = _digests(entry["exp_avg"] for entry in entries)
-        else:
-            saved = trainer.optimizer.state_dict()
-            mains = saved.get("fp32_from_fp16_params")
-            seen["main"] = _digests(t for group in mains for t in group) if mains else seen["weights"]
-            inner = saved.get("optimizer", saved)
-            seen["exp_avg"] = _digests(s["exp_avg"] for s in inner["state"].values())
+        seen = {"local_weights": _digests(p for _, p in unwrap(trainer.model[0]).named_parameters()),
+                "start": trainer.iteration}
+        args.save = str(Path(root) / f"resaved-{hashlib.sha1(' '.join(flags).encode()).hexdigest()[:8]}")
+        checkpointing.save_checkpoint(args, trainer.iteration, trainer.model, trainer.optimizer, trainer.scheduler)
+        seen.update(_saved(args.save))
+        args.save = None
         seen["losses"] = trainer.run(features).losses
         trainer.close()
         return seen
@@ -401,27 +395,17 @@ def _resumed(world_size, *flags):
         disable_features(features)
 
 
-def _saved(directory, rank):
-    """What a rank file of the newest checkpoint in ``directory`` holds, fingerprinted."""
-    import torch
-
+def _saved(directory):
+    """What the newest checkpoint in ``directory`` holds (every rank's shards), fingerprinted: the model's
+    weights, the fp32 main weights (the weights themselves where the checkpoint has none) and Adam's first
+    moments."""
     iteration = int((Path(directory) / "latest_checkpointed_iteration.txt").read_text())
-    state = torch.load(Path(directory) / f"iter_{iteration:07d}" / f"rank_{rank:05d}.pt", weights_only=False)
-    names = [name for name, value in state["model"][0].items() if torch.is_tensor(value)]
-    saved = {"weights": _digests(state["model"][0][name] for name in names)}
-    optimizer = state["optimizer"]
-    if state["distributed_optimizer"]:
-        shard = state["distributed_optimizer"][0]
-        entries = [entry for buckets in shard[0].values() for bucket in buckets for entry in bucket]
-        saved["main"] = _digests(entry["param"] for entry in entries)
-        saved["exp_avg"] = _digests(entry["exp_avg"] for entry in entries)
-    elif "fp32_from_fp16_params" in optimizer:
-        saved["main"] = _digests(t for group in optimizer["fp32_from_fp16_params"] for t in group)
-        saved["exp_avg"] = _digests(s["exp_avg"] for s in optimizer["optimizer"]["state"].values())
-    else:
-        saved["main"] = saved["weights"]
-        saved["exp_avg"] = _digests(s["exp_avg"] for s in optimizer["state"].values())
-    return saved
+    tensors = stored_tensors(Path(directory) / f"iter_{iteration:07d}")
+    weights = {key: value for key, value in tensors.items() if not key.startswith("optimizer.")}
+    main = {key: value for key, value in tensors.items()  # without / with the distributed optimizer
+            if key.startswith(("optimizer.state.fp32_param.", "optimizer.state.param."))}
+    return {"weights": _digests(weights.values()), "main": _digests((main or weights).values()),
+            "exp_avg": _digests(v for k, v in tensors.items() if k.startswith("optimizer.state.exp_avg."))}
 
 
 #: Resumes that change the model or the optimizer: flags -> what the refusal must say.
@@ -440,7 +424,6 @@ REFUSED_RESUMES = {
     "sgd": (["--optimizer", "sgd"], ["--optimizer: checkpoint adam, now sgd", "--no-load-optim"]),
     "distributed_optimizer": (["--use-distributed-optimizer"],
                               ["--use-distributed-optimizer: checkpoint False, now True", "--no-load-optim"]),
-    "tensor_parallel": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size: checkpoint 1, now 2"]),
 }
 
 
@@ -452,10 +435,10 @@ def _architecture_and_precision_worker(rank, world_size, root):
     _train(world_size, "--train-iters", "2", "--save", bf16, "--bf16", *SCHEDULE)
     _train(world_size, "--train-iters", "2", "--save", reuse, "--bf16", "--reuse-fp32-param",
            "--use-distributed-optimizer", *SCHEDULE)
-    outcomes["saved"] = {name: _saved(path, rank) for name, path in (("fp32", fp32), ("bf16", bf16), ("reuse", reuse))}
-    outcomes["fp32_to_bf16"] = _resumed(world_size, "--train-iters", "3", "--load", fp32, "--bf16")
-    outcomes["bf16_to_fp32"] = _resumed(world_size, "--train-iters", "3", "--load", bf16)
-    outcomes["reuse_to_fp32"] = _resumed(world_size, "--train-iters", "3", "--load", reuse,
+    outcomes["saved"] = {name: _saved(path) for name, path in (("fp32", fp32), ("bf16", bf16), ("reuse", reuse))}
+    outcomes["fp32_to_bf16"] = _resumed(world_size, root, "--train-iters", "3", "--load", fp32, "--bf16")
+    outcomes["bf16_to_fp32"] = _resumed(world_size, root, "--train-iters", "3", "--load", bf16)
+    outcomes["reuse_to_fp32"] = _resumed(world_size, root, "--train-iters", "3", "--load", reuse,
                                          "--use-distributed-optimizer")
     return outcomes
 
@@ -486,7 +469,36 @@ def test_a_resume_into_another_model_is_refused_and_a_precision_change_continues
             assert outcome[case]["start"] == 2 and len(outcome[case]["losses"]) == 1, case
             assert math.isfinite(outcome[case]["losses"][0]), case
     # Every rank's fp32 model holds every shard's main weights (gathered), so the ranks agree.
-    assert results[0]["reuse_to_fp32"]["weights"] == results[1]["reuse_to_fp32"]["weights"]
+    assert results[0]["reuse_to_fp32"]["local_weights"] == results[1]["reuse_to_fp32"]["local_weights"]
+
+
+def _layout_change_worker(rank, world_size, root):
+    """Save at iteration 3 in one layout, resume in another: the resumed iterations are the saving layout's
+    uninterrupted run's (one global batch of 8 in every layout, so every layout sees the same data)."""
+    layouts = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+    flags = ("--use-distributed-optimizer", "--global-batch-size", "8", "--lr-decay-iters", "6")
+    outcomes = {}
+    for saved_in, resumed_in in (("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "dp2")):
+        directory = str(Path(root) / f"{saved_in}-{resumed_in}")
+        straight, _ = _train(world_size, "--train-iters", "6", *flags, *layouts[saved_in])
+        _train(world_size, "--train-iters", "3", "--save", directory, *flags, *layouts[saved_in])
+        resumed, error = _train(world_size, "--train-iters", "6", "--load", directory, *flags, *layouts[resumed_in])
+        outcomes[saved_in, resumed_in] = (straight.losses[3:], resumed and resumed.losses, error)
+    return outcomes
+
+
+def test_a_checkpoint_resumes_at_another_tensor_or_data_parallel_layout(tmp_path):
+    """Megatron's distributed format reshards: TP 2 -> DP 2 and back continue the saving layout's run (the
+    distributed optimizer's state included). Another number of pipeline stages is refused with the reason."""
+    results = run_distributed(_layout_change_worker, 2, str(tmp_path), timeout=600)
+    for outcome in results:
+        for change in (("tp2", "dp2"), ("dp2", "tp2")):
+            straight, resumed, error = outcome[change]
+            assert error is None, (change, error)
+            assert resumed == pytest.approx(straight, rel=1e-6, abs=0), change
+        _, resumed, error = outcome["pp2", "dp2"]
+        assert resumed is None and error[0] == "CheckpointError"
+        assert "--pipeline-model-parallel-size: checkpoint 2, now 1" in error[1] and "refused for now" in error[1]
 
 
 #: Another process holding the ``--save`` lock: what a second run of the entry on that directory meets.
@@ -532,11 +544,11 @@ def _save_directory_worker(rank, world_size, root):
         holder.wait()
     dist.barrier()
     _, outcomes["after_crash"] = _train(world_size, "--train-iters", "2", "--save", str(directory), *SCHEDULE)
-    stale = directory / "iter_0000002" / ".rank_00001.pt.tmp"  # what a SIGKILL during a save leaves
+    stale = directory / ".iter_0000003.tmp"  # what a SIGKILL during a save leaves
     blocked = directory / "iter_0000003"
     dist.barrier()
     if rank == 0:
-        stale.write_bytes((directory / "iter_0000002" / "rank_00001.pt").read_bytes())
+        shutil.copytree(directory / "iter_0000002", stale)
         blocked.mkdir()
         undo = _make_unwritable(blocked)
         outcomes["unwritable_possible"] = undo is not None
@@ -568,8 +580,12 @@ def test_a_save_directory_in_use_is_refused_and_a_failed_save_names_its_true_cau
         if results[0]["unwritable_possible"]:
             kind, message = outcome["unwritable"]
             assert kind == "CheckpointError"
-            assert f"cannot write checkpoint file {directory / 'iter_0000003' / f'rank_0000{rank}.pt'}" in message
-            assert f"{directory / 'iter_0000003'} is not writable" in message and "free space" not in message
+            if rank == 0:
+                assert f"cannot move the written checkpoint {directory / '.iter_0000003.tmp'} into place as " \
+                       f"{directory / 'iter_0000003'}" in message
+                assert f"{directory / 'iter_0000003'} is not writable" in message and "free space" not in message
+            else:
+                assert "failed on rank(s) [0]" in message
         assert outcome["tracker"] == "2\n"
     lock = SaveDirectoryLock(directory)  # every run above released it
     assert lock.acquire() is None
@@ -653,7 +669,7 @@ def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
                       "--save-interval", "1")
     try:
         deadline = time.monotonic() + 200
-        while not glob.glob(str(directory / "iter_*" / ".rank_*.pt.tmp")):
+        while not glob.glob(str(directory / ".iter_*.tmp")):
             assert launcher.poll() is None and time.monotonic() < deadline, "no save began"
             time.sleep(0.001)
         os.killpg(launcher.pid, 15)  # SIGTERM to torchrun, which passes it on to its workers
@@ -664,7 +680,9 @@ def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
     print("\n".join(re.findall(r"^\[rank \d\] pretrain_gpt: .*$", err, re.M)))
     stopped = re.findall(r"^\[rank (\d)\] pretrain_gpt: stopped by signal 15 during (.+?)(?: at iteration \d+)?; "
                          r"temporary checkpoint files removed", err, re.M)
-    assert "saving the checkpoint" in [phase for _, phase in stopped], err[-3000:]
+    # a save writes its shards, then waits for every rank's (the staging directory exists through both)
+    assert {"saving the checkpoint", "the all-reduce after saving iteration"} & {
+        re.sub(r" \d+$", "", phase) for _, phase in stopped}, err[-3000:]
     # A rank the signal found waiting for the other in a collective names the rank that left.
     left = re.findall(r"^\[rank (\d)\] pretrain_gpt: error: rank \d \(host \S+, pid \d+\) left the run with Terminated: "
                       r"stopped by signal 15", err, re.M)
@@ -673,8 +691,7 @@ def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
     assert not list(directory.rglob("*.tmp"))
     tracker = directory / "latest_checkpointed_iteration.txt"
     if tracker.exists():  # whatever is the latest is complete
-        latest = directory / f"iter_{int(tracker.read_text()):07d}"
-        assert sorted(p.name for p in latest.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+        assert stored_tensors(directory / f"iter_{int(tracker.read_text()):07d}")
 
 
 def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
