@@ -350,17 +350,16 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
     final = iteration_directory(args.save, iteration)
     staging = staging_directory(final)
     error = None
-    if dist.get_rank() == 0:
-        try:
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-        except OSError as cause:
-            error = CheckpointError(f"cannot create checkpoint directory {staging}: {_cause(cause)}; "
-                                    f"{_write_advice(cause, staging)}")
-    _raise_if_any_rank_failed(error, f"saving iteration {iteration}", args.device)
-    error = None
     _IN_FLIGHT.add(staging)
     try:
+        if dist.get_rank() == 0:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+            except OSError as cause:
+                error = CheckpointError(f"cannot create checkpoint directory {staging}: {_cause(cause)}; "
+                                        f"{_write_advice(cause, staging)}")
+        _raise_if_any_rank_failed(error, f"saving iteration {iteration}", args.device)
         try:
             dist_checkpoint.save(args, staging, iteration, model, optimizer, scheduler)
         except (OSError, RuntimeError, CheckpointingException, CheckpointException) as cause:
@@ -384,10 +383,14 @@ def save_checkpoint(args: argparse.Namespace, iteration: int, model, optimizer, 
             step, target = "write checkpoint tracker", tracker
             atomic_write(tracker, lambda handle: handle.write(f"{iteration}\n".encode()))
         except OSError as cause:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_staging(staging)
             named = final if target.name == "shard" else target
             error = CheckpointError(f"cannot {step} {named}: {_cause(cause)}; {_write_advice(cause, target)}. The "
                                     f"previous checkpoint stays the latest")
+        except BaseException:  # a Terminated between the shards and the rename
+            _remove_staging(staging)
+            _IN_FLIGHT.discard(staging)
+            raise
     _IN_FLIGHT.discard(staging)
     _raise_if_any_rank_failed(error, f"writing the tracker of iteration {iteration}", args.device)
     return final
