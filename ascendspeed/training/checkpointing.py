@@ -112,15 +112,9 @@ def _distributed_optimizers(optimizer) -> list[DistributedOptimizer]:
     return [part for part in parts if isinstance(part, DistributedOptimizer)]
 
 
-def _rng_state() -> dict:
-    return {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
 def _set_rng_state(state: dict) -> None:
+    """The random states of a rank-file checkpoint (a distributed one stores Megatron-LM's, see
+    ``dist_checkpoint``)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
@@ -600,8 +594,8 @@ def _check_foreign_checkpoint(args: argparse.Namespace, directory: Path) -> None
     """A distributed checkpoint another program wrote (Megatron-LM): what its ``args`` say about the
     optimizer's storage must fit this run."""
     try:
-        saved = dist_checkpoint.saved_arguments(directory)
-        metadata = dist_checkpointing_metadata(directory)
+        saved = dist_checkpoint.saved_common_state(directory).get("args")
+        metadata = dist_checkpoint.content_metadata_of(directory)
     except (Exception, CheckpointException) as cause:  # noqa: BLE001 - many types; all mean "unreadable"
         raise CheckpointError(f"cannot read checkpoint {directory}: {_cause(cause)}; the checkpoint is damaged: "
                               f"resume from an earlier one by writing its iteration into "
@@ -617,7 +611,7 @@ def _check_foreign_checkpoint(args: argparse.Namespace, directory: Path) -> None
                               f"the checkpoint's pipeline settings")
     if args.no_load_optim:
         return
-    saved_distributed = bool(getattr(saved, "use_distributed_optimizer", False))
+    saved_distributed = dist_checkpoint.args_used_distributed_optimizer(saved)
     if saved_distributed != args.use_distributed_optimizer:
         raise CheckpointError(f"checkpoint {directory} holds another optimizer's state (--use-distributed-optimizer: "
                               f"checkpoint {saved_distributed}, now {args.use_distributed_optimizer}). Resume with "
@@ -625,18 +619,12 @@ def _check_foreign_checkpoint(args: argparse.Namespace, directory: Path) -> None
                               f"the optimizer afresh)")
     sharding = (metadata or {}).get("distrib_optim_sharding_type")
     if saved_distributed and sharding not in (None, *dist_checkpoint.RESHARDABLE_OPTIMIZER_FORMATS) \
-            and not dist_checkpoint.same_model_parallel_sizes(args, directory):
+            and not dist_checkpoint.same_model_parallel_sizes(args, saved):
         raise CheckpointError(
             f"checkpoint {directory} stores the distributed optimizer's state as {sharding!r}, which loads only at "
             f"the tensor- and pipeline-parallel sizes that wrote it ({saved.tensor_model_parallel_size}, "
             f"{saved.pipeline_model_parallel_size}). Resume with those, pass --no-load-optim, or save it from "
             f"Megatron-LM with --dist-ckpt-optim-fully-reshardable")
-
-
-def dist_checkpointing_metadata(directory: Path) -> Optional[dict]:
-    from megatron.core import dist_checkpointing
-
-    return dist_checkpointing.load_content_metadata(str(directory))
 
 
 def check_resume(args: argparse.Namespace) -> None:
@@ -662,10 +650,9 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
         iteration = _locate(args, announce=False)
         if iteration is not None:
             distributed = is_distributed_checkpoint(iteration_directory(args.load, iteration))
-            if not distributed:
-                state = _read_rank_file(args, iteration)
+            state = _read_common_state(args, iteration) if distributed else _read_rank_file(args, iteration)
             if not args.no_load_optim:
-                saved = (_saved_scheduler(args, iteration) if distributed else state["scheduler"])
+                saved = _saved_schedule(args, iteration, state) if distributed else state["scheduler"]
                 _reconcile_schedule(args, saved, scheduler)
     except (CheckpointError, ResumeError) as failure:
         error = failure
@@ -673,7 +660,7 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
     if iteration is None:
         return 0
     if distributed:
-        return _load_distributed(args, iteration, model, optimizer, scheduler)
+        return _load_distributed(args, iteration, state.get("args"), model, optimizer, scheduler)
     error, gather = None, False
     try:
         gather = _restore(args, state, model, optimizer)
@@ -691,26 +678,34 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
     return iteration
 
 
-def _saved_scheduler(args: argparse.Namespace, iteration: int) -> dict:
+def _read_common_state(args: argparse.Namespace, iteration: int) -> dict:
+    """The non-tensor part of a distributed checkpoint (its ``args``, schedule, iteration), read once."""
     directory = iteration_directory(args.load, iteration)
     try:
-        saved = dist_checkpoint.saved_scheduler(directory)
+        return dist_checkpoint.saved_common_state(directory)
     except (Exception, CheckpointException) as cause:  # noqa: BLE001 - many types; all mean "unreadable"
         raise CheckpointError(f"cannot read checkpoint {directory}: {_cause(cause)}; the checkpoint is damaged: "
                               f"resume from an earlier one by writing its iteration into "
                               f"{Path(args.load) / TRACKER_FILE}") from cause
+
+
+def _saved_schedule(args: argparse.Namespace, iteration: int, common: dict) -> dict:
+    saved = common.get("opt_param_scheduler")
     if saved is None:
-        raise CheckpointError(f"checkpoint {directory} holds no learning-rate schedule (saved without the optimizer, "
-                              f"--no-save-optim): pass --no-load-optim to take only its weights")
+        raise CheckpointError(f"checkpoint {iteration_directory(args.load, iteration)} holds no learning-rate schedule "
+                              f"(saved without the optimizer, --no-save-optim): pass --no-load-optim to take only "
+                              f"its weights")
     return saved
 
 
-def _load_distributed(args: argparse.Namespace, iteration: int, model, optimizer, scheduler) -> int:
+def _load_distributed(args: argparse.Namespace, iteration: int, saved_args: Optional[argparse.Namespace], model,
+                      optimizer, scheduler) -> int:
     """Collective: every rank reads its layout's share; any failure is raised on every rank."""
     directory = iteration_directory(args.load, iteration)
-    error, saved_scheduler = None, None
+    error, saved_scheduler, rng_restored = None, None, False
     try:
-        saved_scheduler = dist_checkpoint.load(args, directory, iteration, model, optimizer, scheduler)
+        saved_scheduler, rng_restored = dist_checkpoint.load(args, directory, iteration, saved_args, model, optimizer,
+                                                             scheduler)
         _unshare_step_counters(optimizer)
     except (CheckpointingException, CheckpointException, RuntimeError, KeyError, ValueError, AssertionError, OSError,
             EOFError) as cause:
@@ -722,7 +717,7 @@ def _load_distributed(args: argparse.Namespace, iteration: int, model, optimizer
     _raise_if_any_rank_failed(error, f"loading {args.load}", args.device)
     if saved_scheduler is not None:
         scheduler.load_state_dict(saved_scheduler)
-    if not args.no_load_rng and not dist_checkpoint.same_model_parallel_sizes(args, directory):
+    if not args.no_load_rng and not rng_restored:
         print_rank_0(f"--load {args.load}: the checkpoint was written at other tensor- or pipeline-parallel sizes; "
                      f"its random states belong to those ranks and are not restored (dropout draws afresh)")
     return iteration

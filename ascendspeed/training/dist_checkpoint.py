@@ -130,13 +130,14 @@ def save(args: argparse.Namespace, directory: Path, iteration: int, model: list,
                             content_metadata=metadata)
 
 
-def saved_arguments(directory: Path) -> Optional[argparse.Namespace]:
-    """The ``args`` of the run that wrote ``directory`` (the entry's or Megatron-LM's), if any."""
-    return dist_checkpointing.load_common_state_dict(str(directory)).get("args")
+def content_metadata_of(directory: Path) -> Optional[dict]:
+    """What ``content_metadata`` the writer recorded (None for checkpoints older than megatron-core 0.13)."""
+    return dist_checkpointing.load_content_metadata(str(directory))
 
 
-def saved_scheduler(directory: Path) -> Optional[dict]:
-    return dist_checkpointing.load_common_state_dict(str(directory)).get("opt_param_scheduler")
+def saved_common_state(directory: Path) -> dict:
+    """The checkpoint's non-tensor state (``args`` of the entry or of Megatron-LM, the schedule, ...)."""
+    return dist_checkpointing.load_common_state_dict(str(directory))
 
 
 def _sharded_tensors(state) -> list[ShardedTensor]:
@@ -154,6 +155,15 @@ class _MainWeightFromWeight:
 
     def __init__(self, weight: ShardedTensor, shape: torch.Size):
         self.weight, self.shape = weight, shape
+
+
+def _apply_factories(request: dict) -> dict:
+    """Replace each factory by the pieces it stores (e.g. SwiGLU's two halves: what a precision change
+    re-keys); returns the factories, for ``apply_factory_merges`` after the load."""
+    factories, _ = extract_matching_values(request, lambda value: isinstance(value, ShardedTensorFactory),
+                                           return_lists_as_dicts=True)
+    apply_factories(request)
+    return factories
 
 
 def _prepare_for_precision(request: dict, stored: dict, fp32_model: bool) -> None:
@@ -212,14 +222,13 @@ def _optimizer_state_for_this_run(loaded: dict, mixed_run: bool, mixed_checkpoin
     return {key: value for key, value in loaded.items() if key in ("param_groups", "state")}
 
 
-def load(args: argparse.Namespace, directory: Path, iteration: int, model: list, optimizer, scheduler) -> Optional[dict]:
+def load(args: argparse.Namespace, directory: Path, iteration: int, saved_args: Optional[argparse.Namespace],
+         model: list, optimizer, scheduler) -> tuple[Optional[dict], bool]:
     """Collective: read this layout's share of ``directory`` into the model and the optimizer. Returns the
-    scheduler state to load (None with ``--no-load-optim``)."""
-    metadata = dist_checkpointing.load_content_metadata(str(directory)) or {}
-    saved_args = saved_arguments(directory)
-    same_model_parallel = (getattr(saved_args, "tensor_model_parallel_size", 1),
-                           getattr(saved_args, "pipeline_model_parallel_size", 1)) == (
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    scheduler state to load (None with ``--no-load-optim``) and whether the random states were restored
+    (only at the checkpoint's tensor- and pipeline-parallel sizes: they are per (PP, TP) rank)."""
+    metadata = content_metadata_of(directory) or {}
+    same_model_parallel = same_model_parallel_sizes(args, saved_args)
     load_optimizer = not args.no_load_optim
     if load_optimizer and args.use_distributed_optimizer:
         metadata.setdefault("distrib_optim_sharding_type", "fully_sharded_model_space")
@@ -228,9 +237,7 @@ def load(args: argparse.Namespace, directory: Path, iteration: int, model: list,
     stored = dist_checkpointing.load_tensors_metadata(str(directory))
     fp32_model = not (args.bf16 or args.fp16)
     mixed_run = load_optimizer and "fp32_from_fp16_params" in request["optimizer"]
-    factories, _ = extract_matching_values(request, lambda value: isinstance(value, ShardedTensorFactory),
-                                           return_lists_as_dicts=True)
-    apply_factories(request)  # the pieces (e.g. SwiGLU's two halves) are what the precision change re-keys
+    factories = _apply_factories(request)
     _prepare_for_precision(request, stored, fp32_model)
     loaded = dist_checkpointing.load(request, str(directory))
     _resolve_main_weights(loaded)
@@ -247,7 +254,7 @@ def load(args: argparse.Namespace, directory: Path, iteration: int, model: list,
         optimizer.reload_model_params()
     if "rng_state" in request:
         _restore_rng_states(loaded["rng_state"][0], args.device)
-    return loaded.get("opt_param_scheduler") if load_optimizer else None
+    return (loaded.get("opt_param_scheduler") if load_optimizer else None), "rng_state" in request
 
 
 def _load_main_weights_into_model(directory: Path, model: list, metadata: dict, stored: dict) -> None:
@@ -256,9 +263,7 @@ def _load_main_weights_into_model(directory: Path, model: list, metadata: dict, 
     request already reads them for its own shard; this second read gives every rank the whole of each."""
     request = {key: unwrap(chunk).sharded_state_dict(metadata=_with_groups(metadata))
                for key, chunk in zip(_model_keys(model), model)}
-    factories, _ = extract_matching_values(request, lambda value: isinstance(value, ShardedTensorFactory),
-                                           return_lists_as_dicts=True)
-    apply_factories(request)
+    factories = _apply_factories(request)
     renamed = False
     for tensor in _sharded_tensors(request):
         main = next((p + tensor.key for p in MAIN_WEIGHT_PREFIXES if p + tensor.key in stored), None)
@@ -275,7 +280,6 @@ def args_used_distributed_optimizer(saved_args) -> bool:
     return bool(getattr(saved_args, "use_distributed_optimizer", False))
 
 
-def same_model_parallel_sizes(args: argparse.Namespace, directory: Path) -> bool:
-    saved_args = saved_arguments(directory)
+def same_model_parallel_sizes(args: argparse.Namespace, saved_args: Optional[argparse.Namespace]) -> bool:
     return (getattr(saved_args, "tensor_model_parallel_size", 1), getattr(saved_args, "pipeline_model_parallel_size", 1)
             ) == (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
