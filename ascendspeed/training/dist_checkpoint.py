@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
                                                      ShardedTensorFactory, apply_factories, apply_factory_merges)
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
+from ascendspeed.training import optimizer_state
 from ascendspeed.training.model import unwrap, vocab_size
 
 #: Megatron-LM's ``checkpoint_version`` for this state dict layout.
@@ -256,31 +257,14 @@ def load(args: argparse.Namespace, directory: Path, iteration: int, saved_args: 
             key.startswith(MAIN_WEIGHT_PREFIX) for key in stored)
         optimizer.load_state_dict(_optimizer_state_for_this_run(loaded["optimizer"], mixed_run, mixed_checkpoint))
         if fp32_model and args.use_distributed_optimizer:
-            _load_main_weights_into_model(directory, model, metadata, stored)
+            # each rank's main-weight shard, a view of its weights, holds the checkpoint's main weights (a 16-bit
+            # checkpoint's weights are their rounding): every rank takes every shard
+            optimizer_state.gather_parameters(model)
     else:
         optimizer.reload_model_params()
     if "rng_state" in request:
         _restore_rng_states(loaded["rng_state"][0], args.device)
     return (loaded.get("opt_param_scheduler") if load_optimizer else None), "rng_state" in request
-
-
-def _load_main_weights_into_model(directory: Path, model: list, metadata: dict, stored: dict) -> None:
-    """An fp32 model with the distributed optimizer: its weights are the main weights (each rank's optimizer
-    shard is a view of them), which a 16-bit checkpoint stores apart from its weights. The optimizer's
-    request already reads them for its own shard; this second read gives every rank the whole of each."""
-    request = {key: unwrap(chunk).sharded_state_dict(metadata=_with_groups(metadata))
-               for key, chunk in zip(_model_keys(model), model)}
-    factories = _apply_factories(request)
-    renamed = False
-    for tensor in _sharded_tensors(request):
-        main = next((p + tensor.key for p in MAIN_WEIGHT_PREFIXES if p + tensor.key in stored), None)
-        if main is not None and stored[tensor.key].dtype != tensor.dtype:
-            tensor.key, renamed = main, True
-    if not renamed:  # an fp32 checkpoint: its weights are the main weights, already loaded
-        return
-    loaded = apply_factory_merges(dist_checkpointing.load(request, str(directory)), factories)
-    for key, chunk in zip(_model_keys(model), model):
-        unwrap(chunk).load_state_dict(loaded[key])
 
 
 def args_used_distributed_optimizer(saved_args) -> bool:
