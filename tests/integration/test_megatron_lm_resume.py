@@ -186,3 +186,84 @@ def test_a_checkpoint_resumes_in_another_layout(launcher, tmp_path, saved_in, re
     or the reverse, the run goes on as the saving layout would have."""
     _check(launcher, tmp_path, saved_in, ["--ckpt-format", "torch_dist", *RESHARDABLE], ACROSS_LAYOUTS_TOLERANCE,
            resume_in=resumed_in)
+
+
+# -- the pretraining entry's checkpoints and Megatron-LM's: one format ------------------------------------
+#: The entry's run (its own data); Megatron-LM trains nothing in between, so its data does not matter.
+ENTRY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "2e-3", "--min-lr", "0",
+         "--lr-decay-style", "constant", "--lr-warmup-iters", "0", "--use-distributed-optimizer",
+         "--eval-iters", "1", "--eval-interval", "0", "--log-interval", "100", "--eval-seq-lengths", "32",
+         "--split", "998,2"]
+#: The entry's byte vocabulary pads to 256 rows; Megatron-LM's null tokenizer has --vocab-size tokens from
+#: megatron-core 0.16 on and one more before (its end of document): 255 pads to 256 on both.
+NULL_TOKENIZER_VOCABULARY = "255"
+
+
+def _entry_worker(rank, world_size, flags):
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    return train(parse_args([*ENTRY, *flags], world_size=world_size)).losses
+
+
+def _megatron_lm_model_flags(record: dict) -> list[str]:
+    """Megatron-LM's flags for the model a checkpoint record of the entry describes (the same names)."""
+    flags = []
+    for flag, value in record["architecture"].items():
+        if not flag.startswith("--") or value is None or value is False:
+            continue
+        if flag == "--num-query-groups":
+            if value != record["architecture"]["--num-attention-heads"]:
+                flags += ["--group-query-attention", flag, str(value)]
+        elif value is True:
+            flags.append(flag)
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _bit_identical(first, second) -> bool:
+    import torch
+
+    return first.dtype == second.dtype and torch.equal(first, second)
+
+
+def test_the_entry_s_checkpoint_loads_in_megatron_lm_and_back(launcher, tmp_path):
+    """The entry saves at iteration 3; Megatron-LM's ``pretrain_gpt.py`` loads it and saves it again without
+    training (every stored tensor comes back bit for bit: the model, the distributed optimizer's main
+    weights and moments); the entry resumes from Megatron-LM's checkpoint and its iteration 4 is its
+    uninterrupted run's."""
+    import json
+
+    from tests.helpers.checkpoints import stored_tensors
+    from tests.helpers.distributed import run_distributed
+
+    entry_checkpoint, megatron_checkpoint = tmp_path / "entry", tmp_path / "megatron_lm"
+    straight = run_distributed(_entry_worker, 2, ["--train-iters", "4"], timeout=300)[0]
+    run_distributed(_entry_worker, 2, ["--train-iters", "3", "--save", str(entry_checkpoint)], timeout=300)
+    saved = entry_checkpoint / "iter_0000003"
+    record = json.loads((saved / "ascendspeed_record.json").read_text())
+    environment = {**os.environ, "ASCENDSPEED_DEVICE": "cpu", "MEGATRON_LM_PATH": MEGATRON_LM_PATH,
+                   "OMP_NUM_THREADS": "1"}
+    environment.pop("MAKEFLAGS", None)
+    megatron_lm = [
+        *_megatron_lm_model_flags(record), "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "2e-3",
+        "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", NULL_TOKENIZER_VOCABULARY, "--eval-iters", "0", "--eval-interval", "1000",
+        "--use-distributed-optimizer", "--ckpt-format", "torch_dist", *RESHARDABLE,
+        "--load", str(entry_checkpoint), "--save", str(megatron_checkpoint), "--save-interval", "1000",
+        "--override-opt_param-scheduler",
+    ]
+    returncode, output = run_job(launcher, 2, megatron_lm, env=environment, cwd=os.path.dirname(launcher),
+                                 timeout=600)
+    assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
+    assert (megatron_checkpoint / "latest_checkpointed_iteration.txt").read_text().strip() == "3", output[-3000:]
+    ours, theirs = stored_tensors(saved), stored_tensors(megatron_checkpoint / "iter_0000003")
+    assert set(ours) == set(theirs)
+    assert any(key.startswith("optimizer.state.param.") for key in ours)
+    assert [key for key in ours if not _bit_identical(ours[key], theirs[key])] == []
+    resumed = run_distributed(_entry_worker, 2, ["--train-iters", "4", "--load", str(megatron_checkpoint),
+                                                 "--override-opt_param-scheduler"], timeout=300)[0]
+    assert resumed == pytest.approx(straight[3:], rel=1e-6, abs=0)

@@ -489,8 +489,8 @@ def _layout_change_worker(rank, world_size, root):
 
 
 def test_a_checkpoint_resumes_at_another_tensor_or_data_parallel_layout(tmp_path):
-    """Megatron's distributed format reshards: TP 2 -> DP 2 and back continue the saving layout's run (the
-    distributed optimizer's state included); PP 2 resumes at PP 2 (its distributed optimizer's state stored
+    """Megatron's distributed format reshards: TP 2 -> DP 2 and back, and DP 2 -> 1 rank continue the saving
+    layout's run (the distributed optimizer's state included); PP 2 resumes at PP 2 (its distributed optimizer's state stored
     per bucket: megatron-core's model-space form misfiles a stage's tied embedding). Another number of
     pipeline stages is refused with the reason."""
     results = run_distributed(_layout_change_worker, 2, str(tmp_path), timeout=600)
@@ -502,6 +502,16 @@ def test_a_checkpoint_resumes_at_another_tensor_or_data_parallel_layout(tmp_path
         _, resumed, error = outcome["pp2", "dp2"]
         assert resumed is None and error[0] == "CheckpointError"
         assert "--pipeline-model-parallel-size: checkpoint 2, now 1" in error[1] and "refused for now" in error[1]
+    # the data-parallel checkpoint on one rank
+    resumed, error = run_distributed(_one_rank_resume_worker, 1, str(tmp_path / "dp2"), timeout=300)[0]
+    assert error is None, error
+    assert resumed == pytest.approx(results[0]["dp2", "tp2"][0], rel=1e-6, abs=0)
+
+
+def _one_rank_resume_worker(rank, world_size, directory):
+    resumed, error = _train(world_size, "--train-iters", "6", "--load", directory, "--use-distributed-optimizer",
+                            "--global-batch-size", "8", "--lr-decay-iters", "6")
+    return resumed and resumed.losses, error
 
 
 #: Another process holding the ``--save`` lock: what a second run of the entry on that directory meets.
