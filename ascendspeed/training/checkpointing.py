@@ -4,7 +4,8 @@ Layout of a checkpoint directory (Megatron-LM's, so either program loads the oth
 
     latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
     iter_0000200/                          megatron.core.dist_checkpointing (torch_dist): .metadata,
-                                           __R_I.distcp shards, common.pt, metadata.json; and
+                                           __R_I.distcp shards (with the common state; common.pt on
+                                           older releases), metadata.json; and
                                            ascendspeed_record.json, the flags that define the model
 
 What the state dict holds and how it reshards is in ``dist_checkpoint``. A checkpoint is written into a
@@ -466,33 +467,29 @@ def _read_rank_file(args: argparse.Namespace, iteration: int) -> dict:
     if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
         raise CheckpointError(f"{path} is not an ascendspeed checkpoint file (it lacks "
                               f"{', '.join(k for k in STATE_KEYS if not isinstance(state, dict) or k not in state)})")
-    _check_layout(args, state["layout"], directory, reshardable=False)
+    _check_layout(args, state["layout"], directory)
     return state
 
 
-def _check_layout(args: argparse.Namespace, saved: dict, directory: Path, reshardable: bool) -> None:
-    """A rank-file checkpoint holds each rank's part of the model and optimizer: the parallel layout must
-    match. A distributed checkpoint reshards to any layout; the optimizer's kind must still match (the
-    distributed optimizer stores its state its own way), unless ``--no-load-optim`` leaves it out."""
+def _check_layout(args: argparse.Namespace, saved: dict, directory: Path) -> None:
+    """Each file of a rank-file checkpoint holds one rank's part of the model and optimizer: the parallel
+    layout must match. Without the optimizer state (``--no-load-optim``) the distributed optimizer does not
+    matter. (A distributed checkpoint's layout is checked by ``_check_saved_arguments``.)"""
     current = dataclasses.asdict(Layout.of(args))
     changes = [(LAYOUT_FLAGS[key], saved.get(key), value) for key, value in current.items()
-               if saved.get(key) != value and not (key == "use_distributed_optimizer" and args.no_load_optim)
-               and not (reshardable and key != "use_distributed_optimizer")]
+               if saved.get(key) != value and not (key == "use_distributed_optimizer" and args.no_load_optim)]
     if not changes:
         return
     listed = "; ".join(f"{flag}: checkpoint {old}, now {new}" for flag, old, new in changes)
     hint = (" (or pass --no-load-optim to take only the weights and start the optimizer afresh)"
             if all(flag == "--use-distributed-optimizer" for flag, _, _ in changes) else "")
-    if reshardable:
-        raise CheckpointError(f"checkpoint {directory} holds another optimizer's state ({listed}). Resume with "
-                              f"the checkpoint's setting{hint}")
     raise CheckpointError(f"checkpoint {directory} was written with another parallel layout ({listed}): each rank "
                           f"file of this older format holds that layout's share of the state. Resume with the "
                           f"checkpoint's settings{hint}")
 
 
 def _check_record(args: argparse.Namespace, record: Optional[dict], directory: Path, announce: bool,
-                  reshardable: bool) -> None:
+                  layout_must_match: bool) -> None:
     """Before any weight is read: the model must be the checkpoint's, and its optimizer state must carry
     over to this run's optimizer (a precision change converts, see ``optimizer_state``)."""
     if record is None and announce:
@@ -516,8 +513,8 @@ def _check_record(args: argparse.Namespace, record: Optional[dict], directory: P
             f"of one optimizer does not carry over to the other. Resume with --optimizer {storage['--optimizer']}, "
             f"or pass --no-load-optim to start the new optimizer afresh from the checkpoint's weights")
     record_layout = record.get("layout")
-    if record_layout is not None:
-        _check_layout(args, record_layout, directory, reshardable)
+    if record_layout is not None and layout_must_match:
+        _check_layout(args, record_layout, directory)
     if (announce and not args.no_load_optim
             and checkpoint_record.precision(storage) != checkpoint_record.precision(current)):
         print_rank_0(f"--load {args.load}: the checkpoint trained in {checkpoint_record.precision(storage)}, this "
@@ -550,15 +547,16 @@ def _reconcile_schedule(args: argparse.Namespace, saved: dict, scheduler) -> Non
                           f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 
 
-def _locate(args: argparse.Namespace, announce: bool) -> Optional[int]:
-    """The iteration to resume from (None: nothing to load), after every check that needs no weights."""
+def _locate(args: argparse.Namespace, announce: bool) -> tuple[Optional[int], Optional[dict]]:
+    """The iteration to resume from (None: nothing to load) and, for a distributed checkpoint, its common
+    state (None for the rank-file format), after every check that needs no weights."""
     iteration = latest_iteration(args.load)
     if iteration is None and not args.allow_fresh_start:
         what = "does not exist" if not Path(args.load).exists() else f"holds no checkpoint (no {TRACKER_FILE})"
         raise CheckpointError(f"--load {args.load} {what}: check the path, or pass --allow-fresh-start to "
                               f"start from scratch when it holds none")
     if iteration is None:
-        return None
+        return None, None
     directory = iteration_directory(args.load, iteration)
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint tracker {Path(args.load) / TRACKER_FILE} names iteration {iteration}, but "
@@ -569,15 +567,15 @@ def _locate(args: argparse.Namespace, announce: bool) -> Optional[int]:
     except ValueError as cause:
         raise CheckpointError(f"{cause}: the checkpoint record is damaged; resume from an earlier checkpoint by "
                               f"writing its iteration into {Path(args.load) / TRACKER_FILE}") from cause
-    reshardable = is_distributed_checkpoint(directory)
-    _check_record(args, record, directory, announce, reshardable)
-    if reshardable:
-        _check_saved_arguments(args, directory)
+    common = _read_common_state(args, directory) if is_distributed_checkpoint(directory) else None
+    _check_record(args, record, directory, announce, layout_must_match=common is None)
+    if common is not None:
+        _check_saved_arguments(args, directory, common.get("args"))
     if iteration > args.train_iters:
         raise ResumeError(f"--load {args.load} holds iteration {iteration}, past --train-iters "
                           f"{args.train_iters}: there is nothing to train. Raise --train-iters above "
                           f"{iteration} to continue training")
-    return iteration
+    return iteration, common
 
 
 def is_distributed_checkpoint(directory: Path) -> bool:
@@ -585,17 +583,9 @@ def is_distributed_checkpoint(directory: Path) -> bool:
     return not any(directory.glob("rank_*.pt")) and dist_checkpoint.is_distributed_checkpoint(directory)
 
 
-def _check_saved_arguments(args: argparse.Namespace, directory: Path) -> None:
-    """What a distributed checkpoint's ``args`` say about its layout and optimizer storage must fit this run:
-    for a checkpoint another program wrote (Megatron-LM) these are the only checks; for the entry's own the
-    record has checked the same already, except how the distributed optimizer's state is stored."""
-    try:
-        saved = dist_checkpoint.saved_common_state(directory).get("args")
-        metadata = dist_checkpoint.content_metadata_of(directory)
-    except (Exception, CheckpointException) as cause:  # noqa: BLE001 - many types; all mean "unreadable"
-        raise CheckpointError(f"cannot read checkpoint {directory}: {_cause(cause)}; the checkpoint is damaged: "
-                              f"resume from an earlier one by writing its iteration into "
-                              f"{Path(args.load) / TRACKER_FILE}") from cause
+def _check_saved_arguments(args: argparse.Namespace, directory: Path, saved: Optional[argparse.Namespace]) -> None:
+    """A distributed checkpoint reshards across tensor- and data-parallel sizes; what its ``args`` (the
+    entry's or Megatron-LM's) say about the pipeline layout and the optimizer's storage must fit this run."""
     if saved is None:
         return
     changes = [(LAYOUT_FLAGS[key], getattr(saved, key, None if "virtual" in key else 1), getattr(args, key))
@@ -614,7 +604,7 @@ def _check_saved_arguments(args: argparse.Namespace, directory: Path) -> None:
                               f"checkpoint {saved_distributed}, now {args.use_distributed_optimizer}). Resume with "
                               f"the checkpoint's setting (or pass --no-load-optim to take only the weights and start "
                               f"the optimizer afresh)")
-    sharding = (metadata or {}).get("distrib_optim_sharding_type")
+    sharding = (_read(args, directory, dist_checkpoint.content_metadata_of) or {}).get("distrib_optim_sharding_type")
     if saved_distributed and sharding not in (None, *dist_checkpoint.RESHARDABLE_OPTIMIZER_FORMATS) \
             and not dist_checkpoint.same_model_parallel_sizes(args, saved):
         raise CheckpointError(
@@ -644,10 +634,10 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
     """
     error, state, iteration, distributed = None, None, None, False
     try:
-        iteration = _locate(args, announce=False)
+        iteration, common = _locate(args, announce=False)
         if iteration is not None:
-            distributed = is_distributed_checkpoint(iteration_directory(args.load, iteration))
-            state = _read_common_state(args, iteration) if distributed else _read_rank_file(args, iteration)
+            distributed = common is not None
+            state = common if distributed else _read_rank_file(args, iteration)
             if not args.no_load_optim:
                 saved = _saved_schedule(args, iteration, state) if distributed else state["scheduler"]
                 _reconcile_schedule(args, saved, scheduler)
@@ -675,11 +665,15 @@ def load_checkpoint(args: argparse.Namespace, model, optimizer, scheduler) -> in
     return iteration
 
 
-def _read_common_state(args: argparse.Namespace, iteration: int) -> dict:
-    """The non-tensor part of a distributed checkpoint (its ``args``, schedule, iteration), read once."""
-    directory = iteration_directory(args.load, iteration)
+def _read_common_state(args: argparse.Namespace, directory: Path) -> dict:
+    """The non-tensor part of a distributed checkpoint (its ``args``, schedule, iteration)."""
+    return _read(args, directory, dist_checkpoint.saved_common_state)
+
+
+def _read(args: argparse.Namespace, directory: Path, reader: Callable):
+    """``reader(directory)``, any failure to read a damaged checkpoint named as such."""
     try:
-        return dist_checkpoint.saved_common_state(directory)
+        return reader(directory)
     except (Exception, CheckpointException) as cause:  # noqa: BLE001 - many types; all mean "unreadable"
         raise CheckpointError(f"cannot read checkpoint {directory}: {_cause(cause)}; the checkpoint is damaged: "
                               f"resume from an earlier one by writing its iteration into "

@@ -72,8 +72,10 @@ def _megatron_args(args: argparse.Namespace, iteration: int) -> argparse.Namespa
     """The entry's flags under Megatron-LM's names (the same ones where both have a flag), plus what
     Megatron-LM's loader reads: the samples consumed so far and the padded vocabulary."""
     plain = (bool, int, float, str, type(None))
-    values = {name: value for name, value in vars(args).items()
-              if isinstance(value, plain) or (isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value))}
+    def is_plain(value) -> bool:
+        return isinstance(value, plain) or (isinstance(value, (list, tuple)) and all(isinstance(v, plain) for v in value))
+
+    values = {name: value for name, value in vars(args).items() if is_plain(value)}
     values.update(consumed_train_samples=iteration * args.global_batch_size, skipped_train_samples=0,
                   consumed_valid_samples=0, padded_vocab_size=vocab_size(args), ckpt_format="torch_dist",
                   tokenizer_type="ascendspeed ByteTokenizer")
@@ -105,7 +107,8 @@ def _rng_sharded_object(device: str) -> ShardedObject:
     """One object per (pipeline, tensor) rank; data-parallel replicas hold the same streams."""
     return ShardedObject(
         "rng_state", [_rng_states(device)],
-        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
+        (parallel_state.get_pipeline_model_parallel_world_size(),
+         parallel_state.get_tensor_model_parallel_world_size()),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
 

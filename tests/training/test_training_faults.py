@@ -264,7 +264,8 @@ def test_damaged_checkpoints_name_the_file_and_the_cause_on_every_rank(tmp_path)
         for case in ("truncated", "empty_file"):
             kind, message = outcome[case]
             assert kind == "CheckpointError", case
-            assert re.search(f"cannot (load|read) checkpoint {re.escape(str(ckpt / 'iter_0000002'))}", message), message
+            named = re.escape(str(ckpt / "iter_0000002"))
+            assert re.search(f"cannot (load|read) checkpoint {named}", message), message
             assert "rank 0: EOFError" in message and "damaged" in message
         assert f"checkpoint tracker {tracker} holds ''" in outcome["empty_tracker"][1]
         assert f"names iteration 99, but {ckpt / 'iter_0000099'} does not exist" in outcome["missing_iteration"][1]
@@ -490,9 +491,9 @@ def _layout_change_worker(rank, world_size, root):
 
 def test_a_checkpoint_resumes_at_another_tensor_or_data_parallel_layout(tmp_path):
     """Megatron's distributed format reshards: TP 2 -> DP 2 and back, and DP 2 -> 1 rank continue the saving
-    layout's run (the distributed optimizer's state included); PP 2 resumes at PP 2 (its distributed optimizer's state stored
-    per bucket: megatron-core's model-space form misfiles a stage's tied embedding). Another number of
-    pipeline stages is refused with the reason."""
+    layout's run (the distributed optimizer's state included); PP 2 resumes at PP 2 (its distributed
+    optimizer's state stored per bucket: megatron-core's model-space form misfiles a stage's tied embedding).
+    Another number of pipeline stages is refused with the reason."""
     results = run_distributed(_layout_change_worker, 2, str(tmp_path), timeout=600)
     for outcome in results:
         for change in (("tp2", "dp2"), ("dp2", "tp2"), ("pp2", "pp2")):
