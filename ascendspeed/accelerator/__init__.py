@@ -15,6 +15,8 @@ classes with megatron-core's local modules (``te_fallback``).
 On every device, feature ``accelerator.torch_adam`` lets distributed-optimizer checkpoints resume where
 megatron-core runs ``torch.optim.Adam`` because neither apex nor Transformer Engine is installed (every CPU,
 an NPU without TE; ``torch_adam_checkpoints``); with either installed its patches leave Megatron's code alone.
+Feature ``accelerator.model_space_checkpoints`` stores the distributed optimizer's reshardable form right when
+its grad buffer has several buckets (``model_space_checkpoints``).
 
 All of them are listed by ``python -m ascendspeed.megatron_adaptor --list`` and undone by ``uninstall()`` (or
 ``MANAGER.revert(name)`` for one of them).
@@ -39,7 +41,9 @@ GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
 TE_FALLBACK_FEATURE = "accelerator.te_fallback"
 TORCH_ADAM_FEATURE = "accelerator.torch_adam"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, TORCH_ADAM_FEATURE)
+MODEL_SPACE_CHECKPOINTS_FEATURE = "accelerator.model_space_checkpoints"
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, TORCH_ADAM_FEATURE,
+            MODEL_SPACE_CHECKPOINTS_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +141,14 @@ def torch_adam_patches():
     return torch_adam_checkpoints.patches()
 
 
+def model_space_checkpoints_patches():
+    """The patch of feature ``accelerator.model_space_checkpoints`` (every device: a megatron-core bug with
+    several grad-buffer buckets, not a missing dependency)."""
+    from ascendspeed.accelerator import model_space_checkpoints
+
+    return model_space_checkpoints.patches()
+
+
 def _install_npu(manager: PatchManager) -> None:
     import torch_npu  # noqa: F401
     from torch_npu.contrib import transfer_to_npu  # noqa: F401 - redirects torch.cuda and "cuda" to the NPU
@@ -160,6 +172,7 @@ def install(manager: PatchManager = MANAGER) -> str:
     if te_fallback.needed():
         manager.apply(TE_FALLBACK_FEATURE, te_fallback_patches())
     manager.apply(TORCH_ADAM_FEATURE, torch_adam_patches())
+    manager.apply(MODEL_SPACE_CHECKPOINTS_FEATURE, model_space_checkpoints_patches())
     if _installed != device:
         how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
         logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
@@ -196,6 +209,7 @@ __all__ = [
     "DeviceSelectionError",
     "FEATURES",
     "GLOO_P2P_FEATURE",
+    "MODEL_SPACE_CHECKPOINTS_FEATURE",
     "NPU_FEATURE",
     "TE_FALLBACK_FEATURE",
     "TORCH_ADAM_FEATURE",

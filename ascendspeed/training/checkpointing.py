@@ -80,12 +80,6 @@ class Layout:
                    args.virtual_pipeline_model_parallel_size, args.use_distributed_optimizer)
 
 
-#: Layout fields a distributed checkpoint does not yet load across: resumed at another number of pipeline
-#: stages, the run is off the saving layout's (Megatron-LM drifts by 3e-4..9e-4,
-#: tests/integration/test_megatron_lm_resume.py; its model-space optimizer state with pipeline stages is
-#: wrong, see ``dist_checkpoint.content_metadata``), so it is refused, not wrong.
-NOT_YET_RESHARDED = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
-
 #: The flag behind each ``Layout`` field, for messages.
 LAYOUT_FLAGS = {
     "world_size": "world size (torchrun --nproc-per-node x nodes)",
@@ -584,19 +578,9 @@ def is_distributed_checkpoint(directory: Path) -> bool:
 
 
 def _check_saved_arguments(args: argparse.Namespace, directory: Path, saved: Optional[argparse.Namespace]) -> None:
-    """A distributed checkpoint reshards across tensor- and data-parallel sizes; what its ``args`` (the
-    entry's or Megatron-LM's) say about the pipeline layout and the optimizer's storage must fit this run."""
-    if saved is None:
-        return
-    changes = [(LAYOUT_FLAGS[key], getattr(saved, key, None if "virtual" in key else 1), getattr(args, key))
-               for key in NOT_YET_RESHARDED]
-    listed = "; ".join(f"{flag}: checkpoint {old}, now {new}" for flag, old, new in changes if old != new)
-    if listed:
-        raise CheckpointError(f"checkpoint {directory} was written at another pipeline-parallel layout ({listed}): "
-                              f"loading it at another number of pipeline stages is refused for now (the losses after "
-                              f"such a load are off, an open issue); tensor- and data-parallel sizes may change. "
-                              f"Resume with the checkpoint's pipeline settings")
-    if args.no_load_optim:
+    """A distributed checkpoint reshards across tensor-, pipeline- (virtual stages included) and data-parallel
+    sizes; what its ``args`` (the entry's or Megatron-LM's) say about the optimizer's storage must fit this run."""
+    if saved is None or args.no_load_optim:
         return
     saved_distributed = dist_checkpoint.args_used_distributed_optimizer(saved)
     if saved_distributed != args.use_distributed_optimizer:
@@ -611,7 +595,7 @@ def _check_saved_arguments(args: argparse.Namespace, directory: Path, saved: Opt
             f"checkpoint {directory} stores the distributed optimizer's state as {sharding!r}, which loads only at "
             f"the tensor- and pipeline-parallel sizes that wrote it ({saved.tensor_model_parallel_size}, "
             f"{saved.pipeline_model_parallel_size}). Resume with those or pass --no-load-optim (Megatron-LM saves a "
-            f"reshardable form with --dist-ckpt-optim-fully-reshardable; the entry does without pipeline stages)")
+            f"reshardable form with --dist-ckpt-optim-fully-reshardable, the entry always)")
 
 
 def check_resume(args: argparse.Namespace) -> None:

@@ -47,20 +47,15 @@ def is_distributed_checkpoint(directory: Path) -> bool:
     return dist_checkpointing.check_is_distributed_checkpoint(str(directory))
 
 
-def content_metadata(use_distributed_optimizer: bool, pipeline_model_parallel_size: int) -> dict:
+def content_metadata(use_distributed_optimizer: bool) -> dict:
     """How the state dict is built, recorded in the checkpoint (``load_content_metadata``) so a loader
-    builds the same one. The distributed optimizer stores model-space tensors, which reshard across tensor-
-    and data-parallel sizes (``fully_reshardable``), except with pipeline stages: there megatron-core's
-    model-space form files a stage's tied embedding under another parameter's main weight and moments
-    (measured: the stored main weight 0.12 off the stored weight, the resumed loss 9 % off), so the state is
-    stored per data-parallel rank's buckets (``dp_reshardable``, Megatron-LM's default, exact at the same
-    layout)."""
+    builds the same one. The distributed optimizer stores model-space tensors, which reshard across tensor-,
+    pipeline- and data-parallel sizes (``fully_reshardable``; exact with several grad-buffer buckets through
+    feature ``accelerator.model_space_checkpoints``)."""
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if use_distributed_optimizer:
-        model_space = pipeline_model_parallel_size == 1
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable" if model_space else "dp_reshardable"
-        if model_space:
-            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
     return metadata
 
 
@@ -135,7 +130,7 @@ def sharded_state(args: argparse.Namespace, iteration: int, model: list, optimiz
 
 def save(args: argparse.Namespace, directory: Path, iteration: int, model: list, optimizer, scheduler) -> None:
     """Collective: every rank writes its shards into the existing, empty ``directory``."""
-    metadata = content_metadata(args.use_distributed_optimizer, args.pipeline_model_parallel_size)
+    metadata = content_metadata(args.use_distributed_optimizer)
     state = sharded_state(args, iteration, model, optimizer, scheduler, metadata, is_loading=False)
     dist_checkpointing.save(state, str(directory), get_default_save_sharded_strategy("torch_dist"),
                             content_metadata=metadata)

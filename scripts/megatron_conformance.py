@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Run Megatron's own unit tests on this machine with nothing but ``import ascendspeed.megatron_adaptor`` added,
+and write docs/conformance.md.
+
+    python scripts/megatron_conformance.py [--megatron-lm DIR] [--processes 1 2] [--timeout 600]
+                                           [--output docs/conformance.md] [--json FILE] [PATH ...]
+
+``DIR`` (default ``MEGATRON_LM_PATH``, else ``../shared/megatron-lm/core_v0.19.0``) is a Megatron-LM checkout
+with ``tests/unit_tests``; ``PATH`` are test files or directories under it (default: the suites named in
+``SUITES``). Every test file runs in its own pytest session (one hung or crashed file costs only itself),
+``pytest -p ascendspeed.megatron_adaptor`` (the adaptor imported before Megatron's conftest: the only change),
+on 1 process and on 2 (Megatron's harness reads ``WORLD_SIZE`` / ``LOCAL_RANK`` and meets at ``MASTER_ADDR`` /
+``MASTER_PORT``; each rank writes its own JUnit report, rank 0's is counted, a failure on rank 1 alone too).
+Nothing of Megatron's tests is edited or patched by name.
+
+For every test that does not pass, the reason is classified from its message (``REASONS``: a CUDA-only
+kernel, Transformer Engine, fp8, CUDA graphs, ...); what no rule names is listed as "not classified".
+Exit status 0 unless a file could not run at all.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TREE = ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"
+#: The suites the conformance target starts with (tests/unit_tests/...).
+SUITES = ("transformer", "models", "tensor_parallel", "pipeline_parallel", "distributed", "dist_checkpointing",
+          "optimizer")
+
+#: (reason, pattern on the message of a test that did not pass), first match wins.
+REASONS = (
+    ("needs Transformer Engine", r"transformer.?engine|\bTE\b|transformer_engine|te_version|is_te_min_version"),
+    ("fp8 / fp4 (CUDA hardware formats)", r"\bfp8\b|FP8|fp4|FP4|nvfp4|mxfp8"),
+    ("CUDA graphs", r"cuda.?graph|CudaGraph|graph capture"),
+    ("needs apex", r"\bapex\b"),
+    ("needs flash-attn", r"flash.?attn|flash attention"),
+    ("needs Mamba / causal-conv1d kernels", r"mamba_ssm|causal_conv1d|mamba"),
+    ("needs triton (CUDA kernels)", r"triton"),
+    ("needs NCCL-only features", r"nccl|NCCL|symmetric memory|nvshmem|DeepEP|HybridEP"),
+    ("needs a CUDA device", r"cuda|CUDA|NVIDIA driver|GPU|nvcc|device_count|is_available\(\)"),
+    ("needs more processes", r"world.?size|WORLD_SIZE|requires \d+ (?:GPUs|ranks|processes)"),
+    ("needs test data (/opt/data)", r"/opt/data|download"),
+    ("needs an optional package", r"No module named|ModuleNotFoundError|ImportError"),
+)
+
+
+@dataclass
+class Outcome:
+    test: str
+    status: str  # passed, failed, skipped
+    message: str = ""
+    reason: str = ""
+
+
+@dataclass
+class FileResult:
+    path: str
+    processes: int
+    seconds: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    crashed: str = ""  # the file did not report: timeout, crash before the report
+
+    def counts(self) -> collections.Counter:
+        return collections.Counter(outcome.status for outcome in self.outcomes)
+
+
+def classify(message: str) -> str:
+    for reason, pattern in REASONS:
+        if re.search(pattern, message):
+            return reason
+    return "not classified"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _read_report(path: Path) -> list[Outcome]:
+    outcomes = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        status, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error"):
+                status, message = "failed", f"{child.get('message', '')}\n{child.text or ''}"
+                break
+            if child.tag == "skipped":
+                status, message = "skipped", child.get("message", "") or (child.text or "")
+        first_line = next((line for line in message.strip().splitlines() if line.strip()), "")
+        outcomes.append(Outcome(name, status, first_line[:300], classify(message) if status != "passed" else ""))
+    return outcomes
+
+
+def run_file(tree: Path, test_file: Path, processes: int, timeout: float) -> FileResult:
+    """One pytest session per rank on ``test_file``; rank 0's report, with rank 1's failures added."""
+    relative = str(test_file.relative_to(tree))
+    with tempfile.TemporaryDirectory() as scratch:
+        port = _free_port()
+        environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), WORLD_SIZE=str(processes),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                           ASCENDSPEED_DEVICE=os.environ.get("ASCENDSPEED_DEVICE", "cpu"))
+        ranks = []
+        start = time.perf_counter()
+        for rank in range(processes):
+            report = Path(scratch) / f"rank{rank}.xml"
+            command = [sys.executable, "-m", "pytest", "-p", "ascendspeed.megatron_adaptor", "-q", "-p", "no:cacheprovider",
+                       f"--junitxml={report}", "--rootdir", str(tree), relative]
+            ranks.append((report, subprocess.Popen(command, cwd=tree, env=dict(environment, RANK=str(rank),
+                                                                               LOCAL_RANK=str(rank)),
+                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        crashed, logs = "", []
+        for report, process in ranks:
+            try:
+                logs.append(process.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))[0])
+            except subprocess.TimeoutExpired:
+                for _, other in ranks:
+                    other.kill()
+                crashed = f"timed out after {timeout:.0f} s"
+                logs.append("")
+        result = FileResult(relative, processes, time.perf_counter() - start, crashed=crashed)
+        reports = [report for report, _ in ranks]
+        if not reports[0].exists():
+            tail = (logs[0] or "").strip().splitlines()[-3:]
+            result.crashed = crashed or f"no report: {' | '.join(tail)[:300]}"
+            return result
+        result.outcomes = _read_report(reports[0])
+        for report in reports[1:]:
+            if report.exists():
+                failed_elsewhere = {outcome.test: outcome for outcome in _read_report(report) if outcome.status == "failed"}
+                result.outcomes = [failed_elsewhere.get(outcome.test, outcome) if outcome.status == "passed" else outcome
+                                   for outcome in result.outcomes]
+        return result
+
+
+def test_files(tree: Path, paths: list[str]) -> list[Path]:
+    files = []
+    for path in paths:
+        target = tree / "tests" / "unit_tests" / path if not (tree / path).exists() else tree / path
+        if target.is_dir():
+            files += sorted(target.rglob("test_*.py"))
+        elif target.exists():
+            files.append(target)
+        else:
+            raise SystemExit(f"{path}: no such test file or directory under {tree}")
+    return files
+
+
+def _suite_of(path: str) -> str:
+    parts = Path(path).parts
+    return "/".join(parts[2:4]) if len(parts) > 4 else parts[2] if len(parts) > 3 else "(top level)"
+
+
+def write_markdown(results: list[FileResult], tree: Path, output: Path, elapsed: float) -> None:
+    import platform
+
+    import torch
+
+    megatron_core = subprocess.run([sys.executable, "-c", "import megatron.core; print(megatron.core.__version__)"],
+                                   capture_output=True, text=True).stdout.strip()
+    source = (tree / "SOURCE").read_text().strip() if (tree / "SOURCE").exists() else tree.name
+    lines = [
+        "# Megatron's own unit tests on a CPU",
+        "",
+        "Generated by `python scripts/megatron_conformance.py` (do not edit by hand): Megatron-LM's",
+        "`tests/unit_tests`, run unchanged with `pytest -p ascendspeed.megatron_adaptor` (the adaptor imported",
+        "before Megatron's conftest; nothing of the tests edited or patched by name), one pytest session per test",
+        "file and process count, 2 processes meeting over gloo as Megatron's harness does over NCCL.",
+        "",
+        f"Tree: `{source}`; megatron-core {megatron_core}, torch {torch.__version__}, Python "
+        f"{platform.python_version()}; {os.cpu_count()} logical CPUs; {datetime.date.today().isoformat()}; "
+        f"{elapsed / 60:.0f} minutes in all.",
+        "",
+        "## Per suite",
+        "",
+        "| suite | processes | files | passed | failed | skipped | files that did not report |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_suite = collections.defaultdict(list)
+    for result in results:
+        by_suite[_suite_of(result.path), result.processes].append(result)
+    for (suite, processes), group in sorted(by_suite.items()):
+        counts = sum((result.counts() for result in group), collections.Counter())
+        crashed = sum(1 for result in group if result.crashed)
+        lines.append(f"| {suite} | {processes} | {len(group)} | {counts['passed']} | {counts['failed']} | "
+                     f"{counts['skipped']} | {crashed} |")
+    lines += ["", "## Why the tests that do not pass do not", "",
+              "| reason | processes | failed | skipped |", "|---|---|---|---|"]
+    reasons = collections.Counter()
+    for result in results:
+        for outcome in result.outcomes:
+            if outcome.status != "passed":
+                reasons[outcome.reason, result.processes, outcome.status] += 1
+    for reason, processes in sorted({(reason, processes) for reason, processes, _ in reasons}):
+        lines.append(f"| {reason} | {processes} | {reasons[reason, processes, 'failed']} | "
+                     f"{reasons[reason, processes, 'skipped']} |")
+    lines += ["", "## Per file", "",
+              "| file | processes | passed | failed | skipped | seconds | note |", "|---|---|---|---|---|---|---|"]
+    for result in sorted(results, key=lambda result: (result.path, result.processes)):
+        counts = result.counts()
+        lines.append(f"| `{result.path}` | {result.processes} | {counts['passed']} | {counts['failed']} | "
+                     f"{counts['skipped']} | {result.seconds:.0f} | {result.crashed.replace('|', '/')} |")
+    lines += ["", "## Every failed test, with the first line of its message", ""]
+    for result in sorted(results, key=lambda result: (result.path, result.processes)):
+        for outcome in result.outcomes:
+            if outcome.status == "failed":
+                message = outcome.message.replace("|", "/").replace("`", "'")
+                lines.append(f"- {result.processes} process(es) `{outcome.test}`: {outcome.reason}: {message}")
+    output.write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", default=list(SUITES))
+    parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH", str(DEFAULT_TREE)))
+    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per test file and process count")
+    parser.add_argument("--output", default=str(ROOT / "docs" / "conformance.md"))
+    parser.add_argument("--json", help="also write every outcome here")
+    options = parser.parse_args()
+    tree = Path(options.megatron_lm).resolve()
+    if not (tree / "tests" / "unit_tests").is_dir():
+        raise SystemExit(f"{tree} has no tests/unit_tests: pass --megatron-lm with a Megatron-LM checkout")
+    start, results = time.perf_counter(), []
+    for test_file in test_files(tree, options.paths):
+        for processes in options.processes:
+            result = run_file(tree, test_file, processes, options.timeout)
+            counts = result.counts()
+            print(f"{result.path} [{processes}]: {counts['passed']} passed, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped, {result.seconds:.0f} s {result.crashed}", flush=True)
+            results.append(result)
+    write_markdown(results, tree, Path(options.output), time.perf_counter() - start)
+    if options.json:
+        Path(options.json).write_text(json.dumps([asdict(result) for result in results], indent=1))
+    return 1 if any(result.crashed and not result.outcomes for result in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
