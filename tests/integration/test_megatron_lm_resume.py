@@ -68,6 +68,11 @@ FAMILIES = {
     "dp2-no-dropout": NO_DROPOUT,
     "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
     "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],
+    # fp16 with the loss scaler's state (from 1024: Megatron's 2**32 skips every step of a model this small),
+    # two virtual stages per rank, gradients reduced bucket by bucket in backward
+    "fp16-vpp-overlap": ["--use-distributed-optimizer", "--fp16", "--initial-loss-scale", "1024",
+                         "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                         "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce"],
 }
 #: Across layouts the reductions differ (a tensor-parallel all-reduce against one GEMM): the entry's layout
 #: tests allow the same.
@@ -162,10 +167,11 @@ def test_dropout_without_distributed_optimizer(launcher, tmp_path):
     _check(launcher, tmp_path, "fp32", ["--ckpt-format", "torch_dist"], 1e-6)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "cp2", "fp16-vpp-overlap"])
 def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher, tmp_path, layout):
     """TP 2 with sequence parallelism (hidden dropout from the model-parallel RNG tracker), PP 2 (each stage
-    saves its own layers) and CP 2, with the distributed optimizer, in ``torch_dist``."""
+    saves its own layers), CP 2, and fp16 with virtual pipeline stages and ``--overlap-grad-reduce``, with the
+    distributed optimizer, in ``torch_dist``."""
     _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
 
 
