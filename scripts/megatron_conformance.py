@@ -2,16 +2,19 @@
 """Run Megatron's own unit tests on this machine with nothing but ``import ascendspeed.megatron_adaptor`` added,
 and write docs/conformance.md.
 
-    python scripts/megatron_conformance.py [--megatron-lm DIR] [--processes 1 2] [--timeout 600]
+    python scripts/megatron_conformance.py [--megatron-lm DIR] [--processes 8] [--timeout 3600]
                                            [--output docs/conformance.md] [--json FILE] [PATH ...]
 
 ``DIR`` (default ``MEGATRON_LM_PATH``, else ``../shared/megatron-lm/core_v0.19.0``) is a Megatron-LM checkout
 with ``tests/unit_tests``; ``PATH`` are test files or directories under it (default: the suites named in
-``SUITES``). Every test file runs in its own pytest session (one hung or crashed file costs only itself),
-``pytest -p ascendspeed.megatron_adaptor`` (the adaptor imported before Megatron's conftest: the only change),
-on 1 process and on 2 (Megatron's harness reads ``WORLD_SIZE`` / ``LOCAL_RANK`` and meets at ``MASTER_ADDR`` /
-``MASTER_PORT``; each rank writes its own JUnit report, rank 0's is counted, a failure on rank 1 alone too).
-Nothing of Megatron's tests is edited or patched by name.
+``SUITES``). Each test file runs as one ``pytest -p ascendspeed.megatron_adaptor`` session per process (the
+adaptor imported before Megatron's conftest: the only change), so memory stays bounded and a hang or crash
+costs only its file. Megatron's harness reads ``WORLD_SIZE`` / ``LOCAL_RANK`` and meets at ``MASTER_ADDR`` /
+``MASTER_PORT``; its tests ask for model-parallel sizes up to 8 (Megatron's CI runs them on 8 GPUs), so the
+default is 8 processes, over gloo on the CPU. Each rank writes its own JUnit report: rank 0's is counted, with
+a test that failed on another rank counted as failed. Needs Megatron's test dependencies (``click``,
+``requests``, ``pytest-mock``: ``pip install click requests pytest-mock``). Nothing of Megatron's tests is edited
+or patched by name.
 
 For every test that does not pass, the reason is classified from its message (``REASONS``: a CUDA-only
 kernel, Transformer Engine, fp8, CUDA graphs, ...); what no rule names is listed as "not classified".
@@ -42,6 +45,7 @@ SUITES = ("transformer", "models", "tensor_parallel", "pipeline_parallel", "dist
 
 #: (reason, pattern on the message of a test that did not pass), first match wins.
 REASONS = (
+    ("needs more processes", r"is not divisible by|world.?size \(\d+\)|requires \d+ (?:GPUs|ranks|processes)"),
     ("needs Transformer Engine", r"transformer.?engine|\bTE\b|transformer_engine|te_version|is_te_min_version"),
     ("fp8 / fp4 (CUDA hardware formats)", r"\bfp8\b|FP8|fp4|FP4|nvfp4|mxfp8"),
     ("CUDA graphs", r"cuda.?graph|CudaGraph|graph capture"),
@@ -51,7 +55,6 @@ REASONS = (
     ("needs triton (CUDA kernels)", r"triton"),
     ("needs NCCL-only features", r"nccl|NCCL|symmetric memory|nvshmem|DeepEP|HybridEP"),
     ("needs a CUDA device", r"cuda|CUDA|NVIDIA driver|GPU|nvcc|device_count|is_available\(\)"),
-    ("needs more processes", r"world.?size|WORLD_SIZE|requires \d+ (?:GPUs|ranks|processes)"),
     ("needs test data (/opt/data)", r"/opt/data|download"),
     ("needs an optional package", r"No module named|ModuleNotFoundError|ImportError"),
 )
@@ -90,74 +93,107 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _read_report(path: Path) -> list[Outcome]:
-    outcomes = []
+def _read_report(path: Path) -> dict[str, Outcome]:
+    """Every test case of a JUnit report by name; a test reported twice (its call and its teardown) keeps
+    the worse outcome."""
+    outcomes = {}
     for case in ElementTree.parse(path).getroot().iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        status, message = "passed", ""
+        # a file that failed to import is reported as a case without a class, named after its module
+        name = f"{case.get('classname')}::{case.get('name')}" if case.get("classname") else case.get("name", "")
+        status, summary, details = "passed", "", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                status, message = "failed", f"{child.get('message', '')}\n{child.text or ''}"
+                status, summary, details = "failed", child.get("message", ""), child.text or ""
                 break
             if child.tag == "skipped":
-                status, message = "skipped", child.get("message", "") or (child.text or "")
-        first_line = next((line for line in message.strip().splitlines() if line.strip()), "")
-        outcomes.append(Outcome(name, status, first_line[:300], classify(message) if status != "passed" else ""))
+                status, summary, details = "skipped", child.get("message", ""), child.text or ""
+        first_line = next((line for line in f"{summary}\n{details}".strip().splitlines() if line.strip()), "")
+        reason = ""
+        if status != "passed":  # the exception's own line decides; the traceback only when it names nothing
+            reason = classify(summary)
+            reason = classify(details) if reason == "not classified" else reason
+        outcome = Outcome(name, status, first_line[:300], reason)
+        if name not in outcomes or outcomes[name].status == "passed" or status == "failed":
+            outcomes[name] = outcome
     return outcomes
 
 
-def run_file(tree: Path, test_file: Path, processes: int, timeout: float) -> FileResult:
-    """One pytest session per rank on ``test_file``; rank 0's report, with rank 1's failures added."""
-    relative = str(test_file.relative_to(tree))
+def _run_session(tree: Path, targets: list[str], processes: int, timeout: float):
+    """One pytest session per rank on ``targets``; returns (rank 0's outcomes with the failures of other ranks
+    put in, or None when rank 0 wrote no report; seconds; what went wrong)."""
     with tempfile.TemporaryDirectory() as scratch:
-        port = _free_port()
         environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]), WORLD_SIZE=str(processes),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
                            ASCENDSPEED_DEVICE=os.environ.get("ASCENDSPEED_DEVICE", "cpu"))
-        ranks = []
-        start = time.perf_counter()
+        ranks, start = [], time.perf_counter()
         for rank in range(processes):
             report = Path(scratch) / f"rank{rank}.xml"
-            command = [sys.executable, "-m", "pytest", "-p", "ascendspeed.megatron_adaptor", "-q", "-p", "no:cacheprovider",
-                       f"--junitxml={report}", "--rootdir", str(tree), relative]
+            command = [sys.executable, "-m", "pytest", "-p", "ascendspeed.megatron_adaptor", "-p", "no:cacheprovider",
+                       "-q", "--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(tree),
+                       *targets]
             ranks.append((report, subprocess.Popen(command, cwd=tree, env=dict(environment, RANK=str(rank),
                                                                                LOCAL_RANK=str(rank)),
                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        crashed, logs = "", []
+        problem, logs = "", []
         for report, process in ranks:
             try:
                 logs.append(process.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))[0])
             except subprocess.TimeoutExpired:
                 for _, other in ranks:
                     other.kill()
-                crashed = f"timed out after {timeout:.0f} s"
+                problem = f"timed out after {timeout:.0f} s"
                 logs.append("")
-        result = FileResult(relative, processes, time.perf_counter() - start, crashed=crashed)
+        seconds = time.perf_counter() - start
         reports = [report for report, _ in ranks]
         if not reports[0].exists():
-            tail = (logs[0] or "").strip().splitlines()[-3:]
-            result.crashed = crashed or f"no report: {' | '.join(tail)[:300]}"
-            return result
-        result.outcomes = _read_report(reports[0])
+            tail = " | ".join((logs[0] or "").strip().splitlines()[-3:])[:300]
+            return None, seconds, problem or f"no report: {tail}"
+        outcomes = _read_report(reports[0])
         for report in reports[1:]:
             if report.exists():
-                failed_elsewhere = {outcome.test: outcome for outcome in _read_report(report) if outcome.status == "failed"}
-                result.outcomes = [failed_elsewhere.get(outcome.test, outcome) if outcome.status == "passed" else outcome
-                                   for outcome in result.outcomes]
-        return result
+                failed = {test: outcome for test, outcome in _read_report(report).items() if outcome.status == "failed"}
+                outcomes = {test: failed.get(test, outcome) if outcome.status == "passed" else outcome
+                            for test, outcome in outcomes.items()}
+        return outcomes, seconds, problem
 
 
-def test_files(tree: Path, paths: list[str]) -> list[Path]:
-    files = []
+def run(tree: Path, test_file_groups: dict[str, list[Path]], processes: int, timeout: float,
+        report=lambda results: None) -> list[FileResult]:
+    """Each test file in sessions of its own: memory stays bounded (8 processes of a whole suite outgrow 24 GiB)
+    and a hang or crash costs only its file. ``report(results)`` after each file: an interrupted run keeps
+    what it measured."""
+    results = []
+    for files in test_file_groups.values():
+        for path in files:
+            target = str(path.relative_to(tree))
+            result = _file_result(*_run_session(tree, [target], processes, timeout), target, processes)
+            counts = result.counts()
+            print(f"{result.path} [{processes}]: {counts['passed']} passed, {counts['failed']} failed, "
+                  f"{counts['skipped']} skipped, {result.seconds:.0f} s {result.crashed}", flush=True)
+            results.append(result)
+            report(results)
+    return results
+
+
+def _file_result(outcomes, seconds, problem, target, processes) -> FileResult:
+    result = FileResult(target, processes, seconds, outcomes=list((outcomes or {}).values()), crashed=problem)
+    if outcomes is not None and not outcomes and not problem:
+        result.crashed = "collected no test"
+    return result
+
+
+def test_file_groups(tree: Path, paths: list[str]) -> dict[str, list[Path]]:
+    """The test files under each of ``paths`` (directories or files, from the tree or from tests/unit_tests)."""
+    groups = {}
     for path in paths:
         target = tree / "tests" / "unit_tests" / path if not (tree / path).exists() else tree / path
         if target.is_dir():
-            files += sorted(target.rglob("test_*.py"))
+            groups[path] = sorted(target.rglob("test_*.py"))
         elif target.exists():
-            files.append(target)
+            groups[path] = [target]
         else:
             raise SystemExit(f"{path}: no such test file or directory under {tree}")
-    return files
+    return groups
 
 
 def _suite_of(path: str) -> str:
@@ -173,16 +209,20 @@ def write_markdown(results: list[FileResult], tree: Path, output: Path, elapsed:
     megatron_core = subprocess.run([sys.executable, "-c", "import megatron.core; print(megatron.core.__version__)"],
                                    capture_output=True, text=True).stdout.strip()
     source = (tree / "SOURCE").read_text().strip() if (tree / "SOURCE").exists() else tree.name
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), platform.processor() or "unknown CPU") \
+        if Path("/proc/cpuinfo").exists() else platform.processor() or "unknown CPU"
     lines = [
         "# Megatron's own unit tests on a CPU",
         "",
         "Generated by `python scripts/megatron_conformance.py` (do not edit by hand): Megatron-LM's",
         "`tests/unit_tests`, run unchanged with `pytest -p ascendspeed.megatron_adaptor` (the adaptor imported",
         "before Megatron's conftest; nothing of the tests edited or patched by name), one pytest session per test",
-        "file and process count, 2 processes meeting over gloo as Megatron's harness does over NCCL.",
+        "file and process, the processes meeting over gloo where Megatron's harness asks for NCCL (8 processes:",
+        "the model-parallel sizes its tests use).",
         "",
         f"Tree: `{source}`; megatron-core {megatron_core}, torch {torch.__version__}, Python "
-        f"{platform.python_version()}; {os.cpu_count()} logical CPUs; {datetime.date.today().isoformat()}; "
+        f"{platform.python_version()}; {cpu_model}, {os.cpu_count()} logical CPUs; {datetime.date.today().isoformat()}; "
         f"{elapsed / 60:.0f} minutes in all.",
         "",
         "## Per suite",
@@ -227,8 +267,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", default=list(SUITES))
     parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM_PATH", str(DEFAULT_TREE)))
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per test file and process count")
+    parser.add_argument("--processes", type=int, nargs="+", default=[8],
+                        help="process counts to run at (Megatron's CI: 8, its tests' model-parallel sizes need it)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per test file")
     parser.add_argument("--output", default=str(ROOT / "docs" / "conformance.md"))
     parser.add_argument("--json", help="also write every outcome here")
     options = parser.parse_args()
@@ -236,16 +277,16 @@ def main() -> int:
     if not (tree / "tests" / "unit_tests").is_dir():
         raise SystemExit(f"{tree} has no tests/unit_tests: pass --megatron-lm with a Megatron-LM checkout")
     start, results = time.perf_counter(), []
-    for test_file in test_files(tree, options.paths):
-        for processes in options.processes:
-            result = run_file(tree, test_file, processes, options.timeout)
-            counts = result.counts()
-            print(f"{result.path} [{processes}]: {counts['passed']} passed, {counts['failed']} failed, "
-                  f"{counts['skipped']} skipped, {result.seconds:.0f} s {result.crashed}", flush=True)
-            results.append(result)
-    write_markdown(results, tree, Path(options.output), time.perf_counter() - start)
-    if options.json:
-        Path(options.json).write_text(json.dumps([asdict(result) for result in results], indent=1))
+    groups = test_file_groups(tree, options.paths)
+
+    def report(new_results):
+        measured = results + new_results
+        write_markdown(measured, tree, Path(options.output), time.perf_counter() - start)
+        if options.json:
+            Path(options.json).write_text(json.dumps([asdict(result) for result in measured], indent=1))
+
+    for processes in options.processes:
+        results += run(tree, groups, processes, options.timeout, report)
     return 1 if any(result.crashed and not result.outcomes for result in results) else 0
 
 

@@ -4,8 +4,8 @@ These wait for their modules to load, so megatron-core-only users never import M
 
 * ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless ``allow_no_cuda``: it is passed;
 * ``_initialize_distributed`` and ``_set_random_seed`` skip ``initialize_model_parallel`` and the
-  model-parallel RNG seeding when ``torch.cuda.device_count()`` is 0, leaving Megatron half initialised
-  without an error. During those two calls (only) the count is 1: the CPU is the one device;
+  model-parallel RNG seeding when ``torch.cuda.device_count()`` is 0: ``cpu_runtime`` counts the CPU as
+  the one device;
 * ``megatron.legacy.fused_kernels.load`` runs ``nvcc``; there are no CUDA kernels to build for the CPU;
 * ``get_device_arch_version`` (validated with tensor parallelism) asks for CUDA device 0's properties: the
   CPU has no CUDA architecture, so it is 0;
@@ -24,7 +24,6 @@ asks this module for the CPU-capable flag defaults (``set_cpu_defaults``), the c
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import os
 
@@ -54,7 +53,6 @@ CPU_MOE_REFUSALS = (
      "use --moe-token-dispatcher-type alltoall (or allgather)"),
 )
 
-_CPU_COUNTS_AS_ONE_DEVICE = contextvars.ContextVar("ascendspeed_cpu_counts_as_one_device", default=False)
 
 
 class CpuArgumentError(ValueError):
@@ -68,28 +66,6 @@ def _wrap_initialize_megatron(original):
         return original(*args, **kwargs)
 
     return initialize_megatron
-
-
-def _wrap_device_count(original):
-    """``torch.cuda.device_count()``: 1 inside the Megatron-LM calls that must count the CPU, else torch's."""
-
-    @functools.wraps(original)
-    def device_count() -> int:
-        return 1 if _CPU_COUNTS_AS_ONE_DEVICE.get() else original()
-
-    return device_count
-
-
-def _wrap_counting_the_cpu(original):
-    @functools.wraps(original)
-    def counting_the_cpu(*args, **kwargs):
-        token = _CPU_COUNTS_AS_ONE_DEVICE.set(True)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _CPU_COUNTS_AS_ONE_DEVICE.reset(token)
-
-    return counting_the_cpu
 
 
 def _wrap_keeping_the_cpu_generator(original):
@@ -167,13 +143,9 @@ def validation_environment():
 
 
 def patches():
-    counting = "megatron-lm on cpu: count the CPU so model parallelism is initialised"
-    seeding = "megatron-lm on cpu: count the CPU so the model-parallel RNG is seeded"
     initialize = "megatron-lm on cpu: initialize without CUDA"
     arch = "megatron-lm on cpu: no CUDA architecture"
     return [
-        wrap("torch.cuda:device_count", _wrap_device_count, expect=EXISTS,
-             name="megatron-lm on cpu: the CPU counts as one device inside the two calls below"),
         wrap("megatron.training.initialize:initialize_megatron", _wrap_initialize_megatron,
              expect="(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False, allow_no_cuda=False, "
                     "skip_mpu_initialization=False, get_embedding_ranks=None, get_position_embedding_ranks=None, "
@@ -189,20 +161,6 @@ def patches():
                     "seed_pp_group=None, seed_dp_group=None, seed_tp_group=None, seed_ep_group=None, "
                     "seed_etp_group=None, skip_random_seed=False)",
              megatron=">=0.19", name=initialize),
-        wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
-             expect="(get_embedding_ranks, get_position_embedding_ranks, store)", megatron="<0.19", name=counting),
-        wrap("megatron.training.initialize:_initialize_distributed", _wrap_counting_the_cpu,
-             expect="(get_embedding_ranks, get_position_embedding_ranks, store, skip_model_parallel_init=False)",
-             megatron=">=0.19", name=counting),
-        wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
-             expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
-                    "use_cudagraphable_rng=False)",
-             megatron="<0.19", name=seeding),
-        wrap("megatron.training.initialize:_set_random_seed", _wrap_counting_the_cpu,
-             expect="(seed_, data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, "
-                    "use_cudagraphable_rng=False, pp_group=None, dp_group=None, tp_group=None, ep_group=None, "
-                    "etp_group=None)",
-             megatron=">=0.19", name=seeding),
         wrap("megatron.training.training:build_train_valid_test_data_iterators", _wrap_keeping_the_cpu_generator,
              expect="(build_train_valid_test_datasets_provider)",
              name="megatron-lm on cpu: wrap build_train_valid_test_data_iterators, the data loaders' seed draws "

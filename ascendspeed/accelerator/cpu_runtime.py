@@ -12,18 +12,29 @@ each call site, these shims give the entry points the meaning they have when the
 * the "CUDA" RNG *is* the CPU generator: CPU dropout and init draw from ``torch.default_generator``,
   so Megatron's RNG tracker must save, seed and restore that generator to fork its streams;
 * ``is_available()`` stays ``False`` (also when a GPU exists but the CPU was chosen), so third-party code
-  keeps its CPU paths (pinned memory, autocast) instead of trying to reach a GPU.
-
-``torch.cuda.device_count()`` is left alone (0 on a CPU-only build): see ``cpu_megatron_lm`` for the one
-place that needs it to count the CPU.
+  keeps its CPU paths (pinned memory, autocast) instead of trying to reach a GPU;
+* ``device_count()`` is 1, the CPU: Megatron divides by it (``rank % torch.cuda.device_count()`` in its test
+  harness, async checkpoint workers and Megatron-LM's initialisation) and skips model-parallel set-up and
+  RNG seeding when it is 0, leaving Megatron half initialised without an error;
+* ``torch.distributed.init_process_group`` / ``new_group`` asked for ``nccl`` (Megatron's default and its
+  test harness's) get ``gloo``, and say so once: NCCL needs CUDA devices, gloo runs the same collectives on
+  CPU tensors. A ``device_id`` naming a CUDA device is dropped (gloo binds no device);
+* ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` take the flat tensor of ``world x`` the shard's
+  elements that NCCL takes (``gather_split_1d_tensor`` gathers 2-D shards into a 1-D tensor): gloo splits
+  the big tensor along its first dimension and wants each piece shaped as the shard, so it gets a view of
+  the same memory shaped that way.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import time
 
 import torch
 
-from ascendspeed.patching import EXISTS, replace
+from ascendspeed.patching import EXISTS, replace, wrap
+
+logger = logging.getLogger("ascendspeed")
 
 CPU = torch.device("cpu")
 
@@ -44,6 +55,53 @@ def set_device(device) -> None:
 def is_available() -> bool:
     """The CPU was chosen: report no CUDA so third-party code keeps its CPU paths."""
     return False
+
+
+def device_count() -> int:
+    """One device, the CPU (``current_device()``)."""
+    return 1
+
+
+def _gloo_for_nccl(backend):
+    """``backend`` with every NCCL request served by gloo (``"nccl"``, ``Backend.NCCL``, ``"cpu:gloo,cuda:nccl"``)."""
+    if backend is None or "nccl" not in str(backend).lower():
+        return backend
+    if not _gloo_for_nccl.said:
+        logger.warning("ascendspeed: the CPU serves torch.distributed backend %r with gloo (NCCL needs CUDA devices)",
+                       str(backend))
+        _gloo_for_nccl.said = True
+    return "gloo"
+
+
+_gloo_for_nccl.said = False
+
+
+def _without_cuda_device(device_id):
+    return None if isinstance(device_id, torch.device) and device_id.type == "cuda" else device_id
+
+
+def wrap_init_process_group(original):
+    """``init_process_group`` with gloo where NCCL was asked for."""
+
+    @functools.wraps(original)
+    def init_process_group(backend=None, *args, **kwargs):
+        if "device_id" in kwargs:
+            kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
+        return original(_gloo_for_nccl(backend), *args, **kwargs)
+
+    return init_process_group
+
+
+def wrap_new_group(original):
+    """``new_group`` with gloo where NCCL was asked for."""
+
+    @functools.wraps(original)
+    def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
+        if "device_id" in kwargs:
+            kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
+        return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
+
+    return new_group
 
 
 class CpuStream(torch.cpu.Stream):
@@ -143,6 +201,37 @@ def manual_seed_all(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+def _stacked_like(big: torch.Tensor, shard: torch.Tensor, group) -> torch.Tensor:
+    """``big`` (``world`` shards' elements) viewed as the shards stacked along the first dimension, which is
+    what gloo requires, when it is another shape of the same elements."""
+    if shard.dim() == 0 or big.dim() == shard.dim() and big.shape[1:] == shard.shape[1:]:
+        return big
+    world = torch.distributed.get_world_size(group)
+    if big.numel() != world * shard.numel() or not big.is_contiguous():
+        return big  # gloo names the mismatch
+    return big.view(world * shard.shape[0], *shard.shape[1:])
+
+
+def wrap_all_gather_into_tensor(original):
+    """``all_gather_into_tensor`` into any shape of the gathered elements, as on NCCL."""
+
+    @functools.wraps(original)
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        return original(_stacked_like(output_tensor, input_tensor, group), input_tensor, group, async_op)
+
+    return all_gather_into_tensor
+
+
+def wrap_reduce_scatter_tensor(original):
+    """``reduce_scatter_tensor`` from any shape of the scattered elements, as on NCCL."""
+
+    @functools.wraps(original)
+    def reduce_scatter_tensor(output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        return original(output, _stacked_like(input, output, group), op, group, async_op)
+
+    return reduce_scatter_tensor
+
+
 def patches():
     """Every shim here replaces a whole ``torch.cuda`` entry point, so torch's exact signature does not
     matter (``EXISTS``); copies bound elsewhere (``torch.cuda.get_rng_state`` is ``torch.cuda.random``'s)
@@ -152,6 +241,17 @@ def patches():
         replace("torch.cuda:synchronize", synchronize, expect=EXISTS, name="cpu runtime: synchronize"),
         replace("torch.cuda:set_device", set_device, expect=EXISTS, name="cpu runtime: set_device"),
         replace("torch.cuda:is_available", is_available, expect=EXISTS, name="cpu runtime: is_available"),
+        replace("torch.cuda:device_count", device_count, expect=EXISTS, name="cpu runtime: device_count, the CPU"),
+        wrap("torch.distributed.distributed_c10d:init_process_group", wrap_init_process_group, expect=EXISTS,
+             name="cpu runtime: wrap init_process_group, gloo serves nccl"),
+        wrap("torch.distributed.distributed_c10d:new_group", wrap_new_group, expect=EXISTS,
+             name="cpu runtime: wrap new_group, gloo serves nccl"),
+        wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
+             expect="(output_tensor, input_tensor, group=None, async_op=False)",
+             name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),
+        wrap("torch.distributed.distributed_c10d:reduce_scatter_tensor", wrap_reduce_scatter_tensor,
+             expect="(output, input, op=<RedOpType.SUM: 0>, group=None, async_op=False)",
+             name="cpu runtime: wrap reduce_scatter_tensor, any shape of the scattered elements"),
         replace("torch.cuda:current_stream", current_stream, expect=EXISTS, name="cpu runtime: current_stream"),
         replace("torch.cuda:default_stream", default_stream, expect=EXISTS, name="cpu runtime: default_stream"),
         replace("torch.cuda:stream", stream, expect=EXISTS, name="cpu runtime: stream"),

@@ -65,6 +65,46 @@ def test_runtime_calls_do_nothing_and_report_no_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_device(0)
     assert torch.cuda.is_available() is False
+    assert torch.cuda.device_count() == 1  # the CPU: Megatron's harness computes rank % device_count()
+
+
+def test_a_request_for_nccl_is_served_by_gloo(tmp_path, caplog):
+    import torch.distributed as dist
+
+    with caplog.at_level(logging.WARNING, logger="ascendspeed"):
+        dist.init_process_group(backend="nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    try:
+        assert dist.get_backend() == "gloo"
+        assert dist.get_backend(dist.new_group([0], backend="nccl")) == "gloo"
+    finally:
+        dist.destroy_process_group()
+    if caplog.records:  # said once per process: an earlier test may have said it
+        assert "gloo" in caplog.text and "'nccl'" in caplog.text
+
+
+def _collectives_into_other_shapes(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
+
+    shard = torch.arange(8, dtype=torch.float32).view(2, 4) + 100 * rank
+    gathered = torch.empty(world_size * 8)
+    dist.all_gather_into_tensor(gathered, shard)  # NCCL's flat form
+    full = torch.arange(world_size * 8, dtype=torch.float32).view(world_size * 4, 2)
+    scattered = torch.empty(2, 4)
+    dist.reduce_scatter_tensor(scattered, full)
+    return gathered, scattered, gather_split_1d_tensor(shard, dist.group.WORLD)
+
+
+def test_collectives_take_the_flat_tensors_nccl_takes():
+    from tests.helpers.distributed import run_distributed
+
+    for rank, (gathered, scattered, megatron_gathered) in enumerate(run_distributed(_collectives_into_other_shapes, 2)):
+        expected = torch.cat([torch.arange(8.0), torch.arange(8.0) + 100])
+        torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
+        torch.testing.assert_close(megatron_gathered, expected, rtol=0, atol=0)
+        torch.testing.assert_close(scattered, 2 * torch.arange(8.0 * rank, 8.0 * rank + 8).view(2, 4), rtol=0, atol=0)
 
 
 def test_streams_and_events_are_inert_but_time():

@@ -168,3 +168,25 @@ def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
     finally:
         if fused:
             disable_features(["fused_swiglu", "local_norm"])
+
+
+def test_selective_recompute_of_the_layer_norms_runs_without_transformer_engine(megatron_world):
+    """``--recompute-modules layernorm`` (``CheckpointWithoutOutput``) raised ``NameError:
+    FP8GlobalStateManager`` on every device without TE; recomputed, the layer's step is the plain one."""
+    config = _config()
+    recomputing = _config(recompute_granularity="selective", recompute_modules=["layernorm"])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        plain = build_module(get_gpt_layer_local_spec(), config=config, layer_number=1)
+        recomputed = build_module(get_gpt_layer_local_spec(), config=recomputing, layer_number=1)
+    finally:
+        torch.set_default_dtype(previous)
+    recomputed.load_state_dict(plain.state_dict())
+    assert recomputed.recompute_input_layernorm and recomputed.recompute_pre_mlp_layernorm
+    hidden = torch.randn(8, 2, 32, dtype=torch.float64)
+    expected, found = _step(plain, hidden), _step(recomputed, hidden)
+    torch.testing.assert_close(found[0], expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(found[1], expected[1], rtol=1e-13, atol=1e-13)
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(found[2][name], grad, rtol=1e-13, atol=1e-13)

@@ -15,6 +15,9 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 ``layer_norm_bias``), ``TEDotProductAttention`` -> ``DotProductAttention`` with separate key and value head sizes
 (so ALiBi, fused RoPE and fused SwiGLU, which patch megatron-core's local classes, apply on these paths too).
 
+``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
+MLA up projections) off Transformer Engine's fp8 state, which it asked for even with fp8 off.
+
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
 ops, grouped GEMM experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
 """
@@ -51,9 +54,9 @@ def serves_local_modules(args) -> bool:
 
 
 def patches():
-    from ascendspeed.accelerator.te_fallback import standins
+    from ascendspeed.accelerator.te_fallback import recompute, standins
 
-    return standins.patches()
+    return standins.patches() + recompute.patches()
 
 
 def check_arguments(args) -> None:
