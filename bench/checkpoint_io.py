@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -29,9 +28,9 @@ import time
 import numpy
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import cpu, load_average
+import harness
+from harness import run_on_gloo_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -123,58 +122,25 @@ def _unique_parameters(args, trainer) -> int:
     return int(count.item())
 
 
-def _worker(rank, world_size, flags, repeats, store, scratch, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), ASCENDSPEED_DEVICE="cpu")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        queue.put((rank, _measure(rank, world_size, flags, repeats, scratch)))
-    except BaseException as error:
-        queue.put((rank, error))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def measure(flags, repeats, world_size=2) -> dict:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SCRATCH")) as directory:
-        processes = [context.Process(target=_worker, args=(rank, world_size, flags, repeats,
-                                                          os.path.join(directory, "store"), directory, queue))
-                     for rank in range(world_size)]
-        for process in processes:
-            process.start()
-        results = dict(queue.get(timeout=3600) for _ in processes)
-        for process in processes:
-            process.join()
-        failures = {rank: result for rank, result in results.items() if isinstance(result, BaseException)}
-        if failures:
-            raise RuntimeError(f"benchmark rank(s) failed: {failures}")
-        shutil.rmtree(directory, ignore_errors=True)
-    return results[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the results here")
     options = parser.parse_args()
-    machine = {"cpu": cpu().model, "vector_flags": cpu().vector_flags, "logical_cpus": cpu().logical_cpus,
-               "python": platform.python_version(), "torch": torch.__version__,
-               "load_average_before": load_average()}
+    machine = harness.machine(torch) | {"python": platform.python_version()}
     results = {}
     print(f"{'setting':<38} {'params':>10} {'B/param':>8} {'save s':>7} {'load s':>7} {'floor s':>8} "
           f"{'save/floor':>10}")
     for name, flags in SETTINGS.items():
-        result = measure(flags, options.repeats)
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SCRATCH")) as scratch:
+            result = run_on_gloo_ranks(_measure, 2, flags, options.repeats, scratch, scratch=scratch)
         result["bytes_per_parameter"] = result["bytes"] / result["parameters"]
         result["save_over_floor"] = result["save_s"] / result["floor_s"]
         results[name] = result
         print(f"{name:<38} {result['parameters']:>10,} {result['bytes_per_parameter']:>8.2f} "
               f"{result['save_s']:>7.3f} {result['load_s']:>7.3f} {result['floor_s']:>8.3f} "
               f"{result['save_over_floor']:>10.1f}", flush=True)
-    machine["load_average_after"] = load_average()
+    machine["load_average_1min_after"] = harness.load_average()
     if options.json:
         with open(options.json, "w") as output:
             json.dump({"machine": machine, "model": MODEL, "repeats": options.repeats, "results": results}, output,

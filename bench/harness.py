@@ -111,3 +111,43 @@ class PhaseTimes:
 
     def medians(self) -> dict[str, float]:
         return {phase: statistics.median(seconds) for phase, seconds in self.seconds.items()}
+
+
+def _gloo_rank(rank: int, world_size: int, target, args: tuple, store: str, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), ASCENDSPEED_DEVICE="cpu")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        queue.put((rank, target(rank, world_size, *args)))
+    except BaseException as error:
+        queue.put((rank, error))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(target: Callable, world_size: int, *args, scratch: str = None):
+    """``target(rank, world_size, *args)`` in ``world_size`` fresh processes joined by a gloo group (one
+    thread each); returns rank 0's result, or raises naming every rank that failed."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory(dir=scratch) as directory:
+        store = os.path.join(directory, "store")
+        processes = [context.Process(target=_gloo_rank, args=(rank, world_size, target, args, store, queue))
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        results = dict(queue.get(timeout=3600) for _ in processes)
+        for process in processes:
+            process.join()
+    failures = {rank: result for rank, result in results.items() if isinstance(result, BaseException)}
+    if failures:
+        raise RuntimeError(f"benchmark rank(s) failed: {failures}")
+    return results[0]

@@ -29,14 +29,12 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from harness import PhaseTimes, cpu
+from harness import PhaseTimes, cpu, run_on_gloo_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -53,17 +51,17 @@ def _args(flags, world_size):
     return parse_args([*MODEL, *flags], world_size=world_size)
 
 
-def _memory_worker(rank, world_size, flags, steps, queue):
+def _memory_worker(rank, world_size, flags, steps):
     from ascendspeed.training import memory
     from ascendspeed.training.trainer import train
 
     result = train(_args([*flags, "--train-iters", str(steps)], world_size))
-    queue.put((rank, {"account": result.memory_account.__dict__ | {
+    return {"account": result.memory_account.__dict__ | {
         "bytes_per_parameter": result.memory_account.bytes_per_parameter},
-        "peak_resident_bytes": memory.peak_resident_bytes()}))
+        "peak_resident_bytes": memory.peak_resident_bytes()}
 
 
-def _timing_worker(rank, world_size, flags, steps, queue):
+def _timing_worker(rank, world_size, flags, steps):
     from ascendspeed.adaptor import install
     from ascendspeed.features import apply_features
     from ascendspeed.training.initialize import initialize_parallel, teardown
@@ -91,7 +89,7 @@ def _timing_worker(rank, world_size, flags, steps, queue):
                 dist.barrier()
                 times[name]["step"].append(time.perf_counter() - start)
                 times[name]["optimizer"].append(optimizer_time())
-        queue.put((rank, times))
+        return times
     finally:
         teardown(state)
 
@@ -114,31 +112,8 @@ def _time_optimizer(trainer):
     return lambda: measured[0]
 
 
-def _worker(rank, world_size, target, flags, steps, store, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), ASCENDSPEED_DEVICE="cpu")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    try:
-        target(rank, world_size, flags, steps, queue)
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(target, flags, steps, world_size=2):
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    with tempfile.TemporaryDirectory() as directory:
-        processes = [context.Process(target=_worker, args=(rank, world_size, target, flags, steps,
-                                                          os.path.join(directory, "store"), queue))
-                     for rank in range(world_size)]
-        for process in processes:
-            process.start()
-        results = dict(queue.get(timeout=3600) for _ in processes)
-        for process in processes:
-            process.join()
-            if process.exitcode:
-                raise RuntimeError(f"a benchmark rank failed with exit code {process.exitcode}")
-    return results[0]
+    return run_on_gloo_ranks(target, world_size, flags, steps)
 
 
 # -- the layout switch alone -------------------------------------------------------------------------------
