@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ascendspeed.features.context_parallel import layout
 from ascendspeed.features.context_parallel.blockwise import ScoreRule, block_forward, merge_block_
+from ascendspeed.features.context_parallel.dropout import PositionalDropout
 from ascendspeed.features.context_parallel.hybrid import build_hybrid_groups, hybrid_attention
 from ascendspeed.features.context_parallel.ring import plan_block, ring_attention
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
@@ -21,7 +22,10 @@ from tests.helpers.distributed import run_distributed, run_distributed_cases
 
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
 TOLERANCE = 1e-10
-CASES = [(mask, position) for mask in ("causal", "general") for position in ("none", "alibi", "rope")]
+DROPOUT = 0.3
+#: (mask, position embedding, attention dropout probability)
+CASES = [(mask, position, 0.0) for mask in ("causal", "general") for position in ("none", "alibi", "rope")] + [
+    ("causal", "none", DROPOUT), ("causal", "alibi", DROPOUT), ("general", "rope", DROPOUT)]
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -34,8 +38,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def reference_attention(q, k, v, causal, slopes, mask):
-    """softmax(q k^T / sqrt(d) + alibi, masked) v over the whole sequence, plain float64 autograd."""
+def reference_attention(q, k, v, causal, slopes, mask, dropout=None):
+    """softmax(q k^T / sqrt(d) + alibi, masked) v over the whole sequence, plain float64 autograd; with
+    ``dropout`` the probabilities are multiplied by its mask over the whole sequence."""
     seq = q.size(2)
     scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
     distance = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).to(q.dtype)
@@ -44,7 +49,11 @@ def reference_attention(q, k, v, causal, slopes, mask):
     hidden = distance < 0 if causal else torch.zeros(seq, seq, dtype=torch.bool)
     if mask is not None:
         hidden = hidden | mask
-    return scores.masked_fill(hidden, float("-inf")).softmax(dim=-1) @ v
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    if dropout is not None:
+        positions = torch.arange(seq)
+        probs = probs * dropout.keep_scale(q.size(0), positions, positions, q.dtype, q.device)
+    return probs @ v
 
 
 def make_inputs(seed: int):
@@ -63,17 +72,18 @@ def _attention_errors(rank, world_size, algorithm, ulysses_degree):
     mine = positions[rank]
     hybrid_groups = build_hybrid_groups(list(range(world_size)), ulysses_degree) if algorithm == "hybrid" else None
     errors = {}
-    for case_index, (mask_type, position_type) in enumerate(CASES):
+    for case_index, (mask_type, position_type, dropout_p) in enumerate(CASES):
         q, k, v, grad, mask = make_inputs(seed=100 + case_index)
         causal = mask_type == "causal"
         mask = None if causal else mask
         slopes = alibi_slopes(HEADS) if position_type == "alibi" else None
+        dropout = PositionalDropout.for_heads(dropout_p, seed=7919 * case_index, heads=HEADS) if dropout_p else None
 
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         fq, fk, fv = full
         if position_type == "rope":
             fq, fk = rope(fq, torch.arange(SEQ)), rope(fk, torch.arange(SEQ))
-        expected_out = reference_attention(fq, fk, fv, causal, slopes, mask)
+        expected_out = reference_attention(fq, fk, fv, causal, slopes, mask, dropout)
         expected_grads = torch.autograd.grad(expected_out, full, grad)
 
         local = [layout.split_for_rank(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
@@ -82,19 +92,20 @@ def _attention_errors(rank, world_size, algorithm, ulysses_degree):
             lq, lk = rope(lq, mine), rope(lk, mine)
         local_mask = None if mask is None else mask[:, :, mine, :]
         if algorithm == "ring":
-            out = ring_attention(lq, lk, lv, positions, group=group, causal=causal, slopes=slopes, mask=local_mask)
+            out = ring_attention(lq, lk, lv, positions, group=group, causal=causal, slopes=slopes, mask=local_mask,
+                                 dropout=dropout)
         elif algorithm == "ulysses":
             out = ulysses_attention(lq, lk, lv, positions, group=group, core=local_core_attention(causal),
-                                    slopes=slopes, mask=local_mask)
+                                    slopes=slopes, mask=local_mask, dropout=dropout)
         else:
             out = hybrid_attention(lq, lk, lv, positions, hybrid_groups, causal=causal, slopes=slopes,
-                                   mask=local_mask)
+                                   mask=local_mask, dropout=dropout)
         grads = torch.autograd.grad(out, local, layout.split_for_rank(grad, 2, rank, world_size))
 
         def share(t):
             return layout.split_for_rank(t, 2, rank, world_size)
 
-        errors[(mask_type, position_type)] = max(
+        errors[(mask_type, position_type, dropout_p)] = max(
             [(out - share(expected_out)).abs().max().item()]
             + [(g - share(e)).abs().max().item() for g, e in zip(grads, expected_grads)]
         )
@@ -228,3 +239,33 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):
     for actual, reference in zip([out, *grads], [expected, *expected_grads]):
         error = (actual.double() - reference).norm() / reference.norm()
         assert error < tolerance
+
+
+def test_positional_dropout_drops_p_of_the_entries_by_position_alone():
+    """The mask is a function of (seed, batch row, head, query, key): any block of it is the same block of the
+    whole mask, a head share is those heads' rows, and about ``p`` of the entries are dropped."""
+    dropout = PositionalDropout.for_heads(0.1, seed=12345, heads=8)
+    positions = torch.arange(512)
+    whole = dropout.keep_scale(2, positions, positions, torch.float64, "cpu")
+    assert whole.shape == (2, 8, 512, 512)
+    assert set(whole.unique().tolist()) == {0.0, 1 / 0.9}
+    assert (whole == 0).double().mean().item() == pytest.approx(0.1, abs=2e-3)
+    assert whole.mean().item() == pytest.approx(1.0, abs=3e-3)
+    rows, cols = layout.positions_on_rank(512, 1, 4), torch.arange(100, 300)
+    block = dropout.keep_scale(2, rows, cols, torch.float64, "cpu")
+    assert torch.equal(block, whole[:, :, rows][..., cols])
+    share = dropout.head_share(4, 3).keep_scale(2, positions, positions, torch.float64, "cpu")
+    assert torch.equal(share, whole[:, 6:8])
+    other_seed = PositionalDropout.for_heads(0.1, seed=12346, heads=8).keep_scale(2, positions, positions,
+                                                                                 torch.float64, "cpu")
+    assert (other_seed != whole).double().mean().item() == pytest.approx(2 * 0.1 * 0.9, abs=3e-3)
+    # rows, heads, queries and keys each change the mask (no two of them share a stream)
+    for a, b in ((whole[0], whole[1]), (whole[:, 0], whole[:, 1]), (whole[:, :, 0], whole[:, :, 1]),
+                 (whole[..., 0], whole[..., 1])):
+        assert (a != b).double().mean().item() == pytest.approx(0.18, abs=0.05)
+
+
+@pytest.mark.parametrize("p, seed", [(0.0, 1), (1.0, 1), (0.5, -1), (0.5, 2**31)])
+def test_positional_dropout_refuses_bad_settings(p, seed):
+    with pytest.raises(ValueError, match="probability must be in|seed must be in"):
+        PositionalDropout.for_heads(p, seed, heads=2)

@@ -42,7 +42,6 @@ def parse(*flags):
     (["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "4",
       "--num-attention-heads", "6"], "--num-attention-heads"),
     (["--context-parallel-size", "2", "--ulysses-degree-in-cp", "2"], "--ulysses-degree-in-cp only applies"),
-    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout 0"),
     (["--context-parallel-size", "2", "--reset-attention-mask"], "--cp-attention-mask-type general"),
     (["--context-parallel-size", "2", "--window-size", "(8,0)"], "--window-size"),
     (["--context-parallel-size", "2", "--transformer-impl", "transformer_engine", "--context-parallel-algo",
@@ -71,6 +70,8 @@ def test_flags_have_the_ascend_names_and_defaults():
 
 @pytest.mark.parametrize("flags, expected", [
     (["--context-parallel-size", "2"], ContextParallelSettings("megatron_cp_algo", 1, "causal")),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     ContextParallelSettings("megatron_cp_algo", 1, "causal")),
     (["--context-parallel-size", "4", "--context-parallel-algo", "ulysses_cp_algo"],
      ContextParallelSettings("ulysses_cp_algo", 1, "causal")),
     (["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2",

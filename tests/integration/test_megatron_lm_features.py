@@ -270,7 +270,8 @@ def test_multi_latent_attention_local_spec(launcher):
     assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
 
 
-#: Context-parallel runs against one process: no dropout (its masks differ with the sequence split) and RoPE
+#: Context-parallel runs against one process: no dropout (Megatron's masks on one process are not drawn by
+#: position) and RoPE
 #: (Megatron-LM's JIT warm-up draws seq-length / cp random numbers before the learned position embedding
 #: is initialised, so that embedding would start differently).
 CP_COMPARABLE = ["--global-batch-size", "4", "--attention-dropout", "0", "--hidden-dropout", "0",
@@ -308,12 +309,21 @@ def test_context_parallel_matches_one_process(launcher, one_process_losses, proc
         assert 0.0 <= hidden <= 1.0
 
 
-def test_context_parallel_with_default_dropout_fails_before_training(launcher):
-    returncode, output = _launch(launcher, 2, ["--global-batch-size", "4", "--context-parallel-size", "2"])
-    assert returncode != 0
-    assert "FeatureArgumentError: --context-parallel-size 2 has no attention dropout (got --attention-dropout 0.1)" \
-        in output, output[-3000:]
-    assert "lm loss" not in output
+#: CP_COMPARABLE with Megatron's default attention dropout (0.1).
+CP_WITH_ATTENTION_DROPOUT = [*CP_COMPARABLE, "--attention-dropout", "0.1", "--context-parallel-size", "2"]
+
+
+def test_context_parallel_attention_dropout_does_not_depend_on_the_algorithm(launcher, one_process_losses):
+    """Megatron-LM's default attention dropout under context parallelism: the masks follow the seed and the
+    tokens' positions (docs/features/context-parallel.md), so ring attention and Ulysses (which computes each
+    head whole on one rank) drop the same probabilities and train alike; the dropout is on (the losses are
+    not those without it)."""
+    ring_losses, _ = _train(launcher, 2, CP_WITH_ATTENTION_DROPOUT, "context_parallel", [CP_ATTENTION.format("ring")])
+    ulysses_losses, calls = _train(launcher, 2, [*CP_WITH_ATTENTION_DROPOUT, "--context-parallel-algo", "ulysses_cp_algo"],
+                                   "context_parallel", [CP_ATTENTION.format("ulysses")])
+    assert ulysses_losses == pytest.approx(ring_losses, rel=1e-4)
+    assert ulysses_losses != pytest.approx(one_process_losses, rel=1e-4)  # the tolerance CP runs match by
+    assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls
 
 
 def test_invalid_combination_fails_before_training(launcher):
@@ -364,12 +374,9 @@ def test_invalid_combinations_fail_in_validate_args(megatron_lm_arguments, monke
 
 
 @pytest.mark.parametrize("flags, message", [
-    ([], "--context-parallel-size 2 has no attention dropout (got --attention-dropout 0.1)"),
-    (["--attention-dropout", "0", "--cp-comm-type", "a2a"],
-     "--cp-comm-type a2a selects Transformer Engine's context-parallel communication"),
-    (["--attention-dropout", "0", "--context-parallel-algo", "hybrid_cp_algo"],
-     "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp K"),
-    (["--attention-dropout", "0", "--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
+    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a selects Transformer Engine's context-parallel communication"),
+    (["--context-parallel-algo", "hybrid_cp_algo"], "--context-parallel-algo hybrid_cp_algo needs --ulysses-degree-in-cp K"),
+    (["--context-parallel-algo", "ulysses_cp_algo", "--log-cp-ring-overlap"],
      "--log-cp-ring-overlap times the hops of ascendspeed's ring attention"),
 ])
 def test_invalid_context_parallel_flags_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):

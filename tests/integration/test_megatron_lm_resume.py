@@ -63,8 +63,8 @@ FAMILIES = {
     "bf16-distopt": ["--use-distributed-optimizer", "--bf16"],
     "tp2-sp": ["--use-distributed-optimizer", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
-    # context parallelism refuses attention-probability dropout (docs/features/context-parallel.md)
-    "cp2": ["--use-distributed-optimizer", "--context-parallel-size", "2", "--attention-dropout", "0"],
+    # attention dropout by position: the seed of each layer's masks is drawn again from the restored RNG
+    "cp2": ["--use-distributed-optimizer", "--context-parallel-size", "2"],
     "dp2-no-dropout": NO_DROPOUT,
     "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
     "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],

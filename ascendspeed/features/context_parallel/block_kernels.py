@@ -161,11 +161,13 @@ _NPU_KERNELS: Optional[FusedAttentionKernels] = None
 _NPU_KERNELS_LOOKED_UP = False
 
 
-def kernels_for(q: torch.Tensor):
+def kernels_for(q: torch.Tensor, with_dropout: bool = False):
     """The block kernels for ``q``: torch_npu's fused attention for NPU tensors of a dtype it takes (when
-    torch_npu provides it), the blockwise torch code otherwise."""
+    torch_npu provides it), the blockwise torch code otherwise. With attention dropout always the blockwise
+    code: torch_npu's ``keep_prob`` draws masks by its own tiling, not by position, so they would change
+    with the context-parallel layout and could not be rebuilt for a reference."""
     global _NPU_KERNELS, _NPU_KERNELS_LOOKED_UP
-    if q.device.type != "npu" or q.dtype not in NPU_FUSED_DTYPES:
+    if with_dropout or q.device.type != "npu" or q.dtype not in NPU_FUSED_DTYPES:
         return BlockwiseKernels
     if not _NPU_KERNELS_LOOKED_UP:
         _NPU_KERNELS, _NPU_KERNELS_LOOKED_UP = _torch_npu_kernels(), True

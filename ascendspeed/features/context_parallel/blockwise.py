@@ -14,6 +14,8 @@ Scores and accumulators are fp32 (float64 for float64 inputs). What can hide a k
 
 and ALiBi adds ``-m_h * (q_pos - k_pos)`` (causal) or ``-m_h * |q_pos - k_pos|`` (otherwise) to the
 scaled scores, as ``ascendspeed.ops.alibi`` does on a single device (``ScoreRule.symmetric_alibi``).
+Attention dropout (``ScoreRule.dropout``) scales the probabilities by a mask of the positions
+(``dropout.py``) and leaves the log-sum-exp alone, so blocks merge as without it.
 """
 from __future__ import annotations
 
@@ -22,19 +24,23 @@ from typing import Optional
 
 import torch
 
+from ascendspeed.features.context_parallel.dropout import PositionalDropout
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoreRule:
     """How scores are formed: softmax scale, causal masking, ALiBi slopes of the heads at hand.
 
     ``symmetric_alibi``: the ALiBi distance is ``|q_pos - k_pos|`` (None: when not ``causal``), as
-    Megatron's local path does for a layer whose mask type is not causal.
+    Megatron's local path does for a layer whose mask type is not causal. ``dropout``: the attention
+    dropout of the heads at hand (None: none).
     """
 
     scale: float
     causal: bool = True
     slopes: Optional[torch.Tensor] = None
     symmetric_alibi: Optional[bool] = None
+    dropout: Optional[PositionalDropout] = None
 
     @property
     def alibi_distance_is_absolute(self) -> bool:
@@ -74,6 +80,8 @@ def block_forward(q, k, v, q_pos, k_pos, rule, mask=None, needs_causal_mask=True
     scores = block_scores(q, k, q_pos, k_pos, rule, mask, needs_causal_mask)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores.sub_(finite_lse(lse)[..., None]))
+    if rule.dropout is not None:
+        probs.mul_(rule.dropout.keep_scale(q.size(0), q_pos, k_pos, probs.dtype, probs.device))
     return torch.matmul(probs, v.to(probs.dtype)), lse
 
 
@@ -91,8 +99,14 @@ def block_backward(q, k, v, grad_out, lse, delta, q_pos, k_pos, rule, mask=None,
     probs = torch.exp(scores.sub_(finite_lse(lse)[..., None]))
     acc = probs.dtype
     grad_out = grad_out.to(acc)
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
-    grad_scores = probs.mul_(torch.matmul(grad_out, v.to(acc).transpose(-1, -2)).sub_(delta[..., None]))
+    grad_probs = torch.matmul(grad_out, v.to(acc).transpose(-1, -2))
+    if rule.dropout is None:
+        grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
+    else:
+        keep = rule.dropout.keep_scale(q.size(0), q_pos, k_pos, acc, probs.device)
+        grad_v = torch.matmul((probs * keep).transpose(-1, -2), grad_out)
+        grad_probs.mul_(keep)
+    grad_scores = probs.mul_(grad_probs.sub_(delta[..., None]))
     grad_q = torch.matmul(grad_scores, k.to(acc)).mul_(rule.scale)
     grad_k = torch.matmul(grad_scores.transpose(-1, -2), q.to(acc)).mul_(rule.scale)
     return grad_q, grad_k, grad_v

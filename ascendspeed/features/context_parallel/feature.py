@@ -46,7 +46,6 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
         "num_attention_heads": None,
         "tensor_model_parallel_size": 1,
         "seq_length": None,
-        "attention_dropout": None,
         "cp_comm_type": ["p2p"],
         **defaults_of(UNSUPPORTED),
     }
@@ -103,12 +102,6 @@ class ContextParallelFeature(Feature[ContextParallelSettings]):
             return
         refuse_unsupported(args, UNSUPPORTED, f"--context-parallel-size {cp}")
         self._refuse_cp_comm_type(args)
-        dropout = getattr(args, "attention_dropout", None)
-        if dropout:
-            raise FeatureArgumentError(
-                f"--context-parallel-size {cp} has no attention dropout (got --attention-dropout {dropout}): "
-                "pass --attention-dropout 0"
-            )
         if getattr(args, "reset_attention_mask", False) and getattr(args, "cp_attention_mask_type", "causal") != "general":
             raise FeatureArgumentError(
                 "--reset-attention-mask builds document masks, which --cp-attention-mask-type causal ignores: "

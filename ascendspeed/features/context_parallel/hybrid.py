@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ascendspeed.features.context_parallel.dropout import PositionalDropout
 from ascendspeed.features.context_parallel.ring import ring_attention
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 from ascendspeed.features.context_parallel.ulysses import ulysses_attention
@@ -65,6 +66,7 @@ def hybrid_attention(
     slopes: Optional[torch.Tensor] = None,
     symmetric_alibi: Optional[bool] = None,
     mask: Optional[torch.Tensor] = None,
+    dropout: Optional[PositionalDropout] = None,
     telemetry: Optional[RingTelemetry] = None,
 ) -> torch.Tensor:
     """Attention of this rank's [b, heads, local sequence, d] tensors; ``positions[c]`` for every cp rank ``c``."""
@@ -76,10 +78,10 @@ def hybrid_attention(
         members = groups.cp_ranks[start:start + groups.ulysses_degree]
         ring_positions.append(torch.sort(torch.cat([by_global_rank[r] for r in members])).values)
 
-    def ring_core(q, k, v, gathered_positions, head_slopes, mask_rows):
+    def ring_core(q, k, v, gathered_positions, head_slopes, mask_rows, head_dropout):
         return ring_attention(q, k, v, ring_positions, group=groups.ring, causal=causal, scale=scale,
                               slopes=head_slopes, symmetric_alibi=symmetric_alibi, mask=mask_rows,
-                              telemetry=telemetry)
+                              dropout=head_dropout, telemetry=telemetry)
 
     return ulysses_attention(q, k, v, ulysses_positions, group=groups.ulysses, core=ring_core, slopes=slopes,
-                             mask=mask)
+                             mask=mask, dropout=dropout)

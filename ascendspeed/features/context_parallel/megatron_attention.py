@@ -5,10 +5,12 @@ Transformer Engine has context parallelism there). The patches here build the la
 context parallel, then give it a ``ContextParallelAttention`` that its forward uses instead of Megatron's
 ``baddbmm``/softmax/``bmm`` whenever the context-parallel group has more than one rank. ALiBi layers (the
 ``alibi`` feature) keep their slopes; Megatron's local and fused ALiBi paths are both replaced by the
-blockwise attention under context parallelism.
+blockwise attention under context parallelism. Attention dropout masks by position (``dropout.py``), so
+the result does not depend on how the sequence is split.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -17,6 +19,7 @@ from typing import Optional
 import torch
 
 from ascendspeed.features.context_parallel import layout
+from ascendspeed.features.context_parallel.dropout import SEED_BOUND, PositionalDropout
 from ascendspeed.features.context_parallel.hybrid import HybridGroups, build_hybrid_groups, hybrid_attention
 from ascendspeed.features.context_parallel.ring import ring_attention
 from ascendspeed.features.context_parallel.settings import HYBRID, RING, ULYSSES, ContextParallelSettings
@@ -80,11 +83,26 @@ class ContextParallelAttention:
             return attention_mask.index_select(-2, positions[self.rank].to(attention_mask.device)).bool()
         return attention_mask.bool()
 
+    def dropout(self, layer, heads: int, device) -> Optional[PositionalDropout]:
+        """The layer's attention dropout for this call, or None (evaluation, or p = 0). The seed is drawn
+        where Megatron draws its dropout mask: from the model-parallel RNG tracker without sequence
+        parallelism, from the default stream with it. Every context-parallel rank draws the same seed (the
+        tracker is seeded alike across them), and a recomputed forward draws it again from the restored
+        state."""
+        p = layer.attention_dropout.p
+        if not layer.training or p == 0:
+            return None
+        from megatron.core import tensor_parallel
+
+        rng = contextlib.nullcontext() if layer.config.sequence_parallel else tensor_parallel.get_cuda_rng_tracker().fork()
+        with rng:
+            seed = int(torch.randint(0, SEED_BOUND, (1,), device=device).item())
+        return PositionalDropout.for_heads(p, seed, heads)
+
     def __call__(self, layer, query, key, value, attention_mask):
         """Megatron's [s, b, heads, d] q/k/v in, [s, b, heads * d] out."""
-        if layer.training and layer.attention_dropout.p > 0:
-            raise ValueError("context-parallel attention has no attention dropout: set --attention-dropout 0")
         local_length, batch, heads, _ = query.shape
+        dropout = self.dropout(layer, heads, query.device)
         seq_length = local_length * self.size
         groups = heads // key.size(2)
         if groups > 1:
@@ -99,13 +117,15 @@ class ContextParallelAttention:
         algorithm = self.settings.algorithm
         if algorithm == RING:
             out = ring_attention(q, k, v, positions, group=self.group, causal=self.causal, scale=scale,
-                                 slopes=slopes, symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
+                                 slopes=slopes, symmetric_alibi=symmetric, mask=mask, dropout=dropout,
+                                 telemetry=self.telemetry)
         elif algorithm == ULYSSES:
             core = local_core_attention(self.causal, scale, symmetric)
-            out = ulysses_attention(q, k, v, positions, group=self.group, core=core, slopes=slopes, mask=mask)
+            out = ulysses_attention(q, k, v, positions, group=self.group, core=core, slopes=slopes, mask=mask,
+                                    dropout=dropout)
         else:
             out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
-                                   symmetric_alibi=symmetric, mask=mask, telemetry=self.telemetry)
+                                   symmetric_alibi=symmetric, mask=mask, dropout=dropout, telemetry=self.telemetry)
         return out.permute(2, 0, 1, 3).reshape(local_length, batch, heads * out.size(-1))
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ascendspeed.features.context_parallel.block_kernels import kernels_for
 from ascendspeed.features.context_parallel.blockwise import ScoreRule, accumulator_dtype, merge_block_
+from ascendspeed.features.context_parallel.dropout import PositionalDropout
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 
 _TAG_KV = 7
@@ -218,6 +219,7 @@ def ring_attention(
     slopes: Optional[torch.Tensor] = None,
     symmetric_alibi: Optional[bool] = None,
     mask: Optional[torch.Tensor] = None,
+    dropout: Optional[PositionalDropout] = None,
     telemetry: Optional[RingTelemetry] = None,
     kernels=None,
 ) -> torch.Tensor:
@@ -228,6 +230,7 @@ def ring_attention(
     ``slopes``: ALiBi slopes of the heads (None: no ALiBi); ``symmetric_alibi``: distance ``|q - k|``
     (default: when not ``causal``). ``mask``: bool [b or 1, heads or 1, local
     sequence, S], True where a query must not see a key, columns indexed by absolute key position.
+    ``dropout``: attention dropout of these heads by position (None: none).
     ``group`` None: a single process (no communication), the reference path. ``kernels``: what computes
     each block (``block_kernels``; None: torch_npu's fused attention for NPU tensors, the blockwise torch
     code otherwise).
@@ -244,8 +247,11 @@ def ring_attention(
         )
     if causal and any(bool((p[1:] < p[:-1]).any()) for p in ring.positions):
         raise ValueError("causal ring attention needs each member's positions in ascending order")
+    if dropout is not None and dropout.heads.numel() != q.size(1):
+        raise ValueError(f"dropout covers {dropout.heads.numel()} heads but q has {q.size(1)}")
     rule = ScoreRule(scale=q.size(-1) ** -0.5 if scale is None else scale, causal=causal, slopes=slopes,
-                     symmetric_alibi=symmetric_alibi)
+                     symmetric_alibi=symmetric_alibi, dropout=dropout)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool (True = hidden), got {mask.dtype}")
-    return RingAttention.apply(q, k, v, mask, ring, rule, kernels_for(q) if kernels is None else kernels)
+    kernels = kernels_for(q, with_dropout=dropout is not None) if kernels is None else kernels
+    return RingAttention.apply(q, k, v, mask, ring, rule, kernels)

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ascendspeed.features.context_parallel.dropout import PositionalDropout
 from ascendspeed.features.context_parallel.ring import ring_attention
 
 
@@ -73,7 +74,8 @@ def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
 
 
 #: A core attention: (q, k, v, ascending positions of the tokens, ALiBi slopes of the heads or None,
-#: bool mask rows [b or 1, heads or 1, tokens, S] or None) -> output, all [b, heads, tokens, head dim].
+#: bool mask rows [b or 1, heads or 1, tokens, S] or None, PositionalDropout of the heads or None) -> output,
+#: all [b, heads, tokens, head dim].
 CoreAttention = Callable[..., torch.Tensor]
 
 
@@ -81,9 +83,9 @@ def local_core_attention(causal: bool = True, scale: Optional[float] = None,
                          symmetric_alibi: Optional[bool] = None) -> CoreAttention:
     """Exact attention over the tokens at hand (the reference path of ``ring_attention``, no communication)."""
 
-    def core(q, k, v, positions, slopes, mask):
+    def core(q, k, v, positions, slopes, mask, dropout=None):
         return ring_attention(q, k, v, [positions], causal=causal, scale=scale, slopes=slopes,
-                              symmetric_alibi=symmetric_alibi, mask=mask)
+                              symmetric_alibi=symmetric_alibi, mask=mask, dropout=dropout)
 
     return core
 
@@ -98,12 +100,13 @@ def ulysses_attention(
     core: CoreAttention,
     slopes: Optional[torch.Tensor] = None,
     mask: Optional[torch.Tensor] = None,
+    dropout: Optional[PositionalDropout] = None,
 ) -> torch.Tensor:
     """Ulysses attention of this rank's [b, heads, local sequence, d] q, k, v over ``group``.
 
-    ``positions[j]``: absolute positions of the tokens member ``j`` holds. ``slopes``: ALiBi slopes of all
-    ``heads`` (each member keeps its share). ``mask``: bool rows of this rank's queries [b or 1, heads or 1,
-    local sequence, S]. The heads must divide by the group size.
+    ``positions[j]``: absolute positions of the tokens member ``j`` holds. ``slopes``, ``dropout``: ALiBi
+    slopes and attention dropout of all ``heads`` (each member keeps its share). ``mask``: bool rows of this
+    rank's queries [b or 1, heads or 1, local sequence, S]. The heads must divide by the group size.
     """
     size = dist.get_world_size(group) if group is not None else 1
     heads = q.size(1)
@@ -114,7 +117,7 @@ def ulysses_attention(
             "--context-parallel-size dividing --num-attention-heads / --tensor-model-parallel-size)"
         )
     if size == 1:
-        return core(q, k, v, positions[0], slopes, mask)
+        return core(q, k, v, positions[0], slopes, mask, dropout)
     member = dist.get_rank(group)
     gathered = torch.cat([p.to("cpu", torch.int64) for p in positions])
     order = torch.argsort(gathered, stable=True)
@@ -128,13 +131,15 @@ def ulysses_attention(
     q, k, v = (to_heads(x) for x in (q, k, v))
     if slopes is not None:
         slopes = slopes.chunk(size)[member]
+    if dropout is not None:
+        dropout = dropout.head_share(size, member)
     if mask is not None:
         mask = _gather_mask_rows(mask, group)
         if reorder:
             mask = mask.index_select(-2, device_order.to(mask.device))
         if mask.size(1) > 1:
             mask = mask.chunk(size, dim=1)[member]
-    out = core(q, k, v, gathered[order], slopes, mask)
+    out = core(q, k, v, gathered[order], slopes, mask, dropout)
     if reorder:
         out = out.index_select(2, torch.argsort(order).to(out.device))
     return _HeadsToSequence.apply(out, group)
