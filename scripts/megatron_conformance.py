@@ -2,8 +2,9 @@
 """Run Megatron's own unit tests on this machine with nothing but ``import ascendspeed.megatron_adaptor`` added,
 and write docs/conformance.md.
 
-    python scripts/megatron_conformance.py [--megatron-lm DIR] [--processes 8] [--timeout 3600]
-                                           [--output docs/conformance.md] [--json FILE] [PATH ...]
+    python scripts/megatron_conformance.py [--megatron-lm DIR] [--processes 8] [--timeout 300]
+                                           [--output docs/conformance.md] [--store docs/conformance.json]
+                                           [PATH ...]
 
 ``DIR`` (default ``MEGATRON_LM_PATH``, else ``../shared/megatron-lm/core_v0.19.0``) is a Megatron-LM checkout
 with ``tests/unit_tests``; ``PATH`` are test files or directories under it (default: the suites named in
@@ -18,6 +19,8 @@ or patched by name.
 
 For every test that does not pass, the reason is classified from its message (``REASONS``: a CUDA-only
 kernel, Transformer Engine, fp8, CUDA graphs, ...); what no rule names is listed as "not classified".
+Every outcome is kept in ``--store`` (JSON): a run replaces the results of the files it ran and keeps the
+others, and the markdown shows them all, so suites can be run (and re-run after a fix) one at a time.
 Exit status 0 unless a file could not run at all.
 """
 from __future__ import annotations
@@ -201,7 +204,14 @@ def _suite_of(path: str) -> str:
     return "/".join(parts[2:4]) if len(parts) > 4 else parts[2] if len(parts) > 3 else "(top level)"
 
 
-def write_markdown(results: list[FileResult], tree: Path, output: Path, elapsed: float) -> None:
+def load_store(path: Path) -> list[FileResult]:
+    if not path.exists():
+        return []
+    return [FileResult(**{**entry, "outcomes": [Outcome(**outcome) for outcome in entry["outcomes"]]})
+            for entry in json.loads(path.read_text())]
+
+
+def write_markdown(results: list[FileResult], tree: Path, output: Path) -> None:
     import platform
 
     import torch
@@ -222,8 +232,8 @@ def write_markdown(results: list[FileResult], tree: Path, output: Path, elapsed:
         "the model-parallel sizes its tests use).",
         "",
         f"Tree: `{source}`; megatron-core {megatron_core}, torch {torch.__version__}, Python "
-        f"{platform.python_version()}; {cpu_model}, {os.cpu_count()} logical CPUs; {datetime.date.today().isoformat()}; "
-        f"{elapsed / 60:.0f} minutes in all.",
+        f"{platform.python_version()}; {cpu_model}, {os.cpu_count()} logical CPUs; last run "
+        f"{datetime.date.today().isoformat()}; {sum(result.seconds for result in results) / 60:.0f} minutes of runs in all.",
         "",
         "## Per suite",
         "",
@@ -271,19 +281,23 @@ def main() -> int:
                         help="process counts to run at (Megatron's CI: 8, its tests' model-parallel sizes need it)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per test file")
     parser.add_argument("--output", default=str(ROOT / "docs" / "conformance.md"))
-    parser.add_argument("--json", help="also write every outcome here")
+    parser.add_argument("--store", default=str(ROOT / "docs" / "conformance.json"),
+                        help="every outcome, kept across runs (a run replaces the files it ran)")
     options = parser.parse_args()
     tree = Path(options.megatron_lm).resolve()
     if not (tree / "tests" / "unit_tests").is_dir():
         raise SystemExit(f"{tree} has no tests/unit_tests: pass --megatron-lm with a Megatron-LM checkout")
-    start, results = time.perf_counter(), []
+    results = []
     groups = test_file_groups(tree, options.paths)
+    store = Path(options.store)
+    rerun = {(str(path.relative_to(tree)), processes) for files in groups.values() for path in files
+             for processes in options.processes}
+    kept = [result for result in load_store(store) if (result.path, result.processes) not in rerun]
 
     def report(new_results):
-        measured = results + new_results
-        write_markdown(measured, tree, Path(options.output), time.perf_counter() - start)
-        if options.json:
-            Path(options.json).write_text(json.dumps([asdict(result) for result in measured], indent=1))
+        measured = kept + results + new_results
+        write_markdown(measured, tree, Path(options.output))
+        store.write_text(json.dumps([asdict(result) for result in measured], indent=1) + "\n")
 
     for processes in options.processes:
         results += run(tree, groups, processes, options.timeout, report)

@@ -260,14 +260,18 @@ MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16"
 
 
 def test_multi_latent_attention_local_spec(launcher):
-    """--multi-latent-attention on the local spec with TP 2 (q/kv low-rank projections, decoupled RoPE):
-    megatron-core's DotProductAttention takes MLA's key and value head sizes (feature local_mla), the MLP runs on
-    ascendspeed's fused SwiGLU."""
-    flags = [*TP_COMPARABLE, *MLA, "--swiglu", "--use-fused-swiglu"]
-    _, calls = _train(launcher, 2, flags, "fused_swiglu, local_mla", [MLA_HEAD_SIZES, SWIGLU_OP])
+    """--multi-latent-attention on the local spec with TP 2 (q/kv low-rank projections, decoupled RoPE with
+    YaRN, Megatron's MLA default): megatron-core's DotProductAttention takes MLA's key and value head sizes
+    (feature local_mla), the decoupled RoPE runs on ascendspeed's fused rotary operator, the MLP on its fused
+    SwiGLU."""
+    flags = [*TP_COMPARABLE, *MLA, "--swiglu", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+    _, calls = _train(launcher, 2, flags, "fused_swiglu, fused_rope, local_mla",
+                      [MLA_HEAD_SIZES, SWIGLU_OP, ROTARY_OP])
     # each layer's attention of each model built (a multiple of the 2 layers)
     assert all(n % 2 == 0 and n > 0 for (_, target), n in calls.items() if target == MLA_HEAD_SIZES), calls
     assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+    # the query's and the key's rotary part in each layer and micro-batch forward
+    assert {n for (_, target), n in calls.items() if target == ROTARY_OP} == {2 * 2 * 2 * ITERATIONS}
 
 
 #: Context-parallel runs against one process: no dropout (Megatron's masks on one process are not drawn by
