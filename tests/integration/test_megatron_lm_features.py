@@ -313,6 +313,18 @@ def test_context_parallel_matches_one_process(launcher, one_process_losses, proc
         assert 0.0 <= hidden <= 1.0
 
 
+def test_multi_latent_attention_context_parallel_matches_one_process(launcher):
+    """MLA (query/key heads of nope + rope features, narrower value heads, YaRN RoPE on the fused operator) at
+    context parallel 2 with Ulysses: the same losses as one process."""
+    flags = [*CP_COMPARABLE, *MLA, "--use-fused-rotary-pos-emb"]
+    reference, _ = _train(launcher, 1, flags, "fused_rope, local_mla", [ROTARY_OP])
+    losses, calls = _train(launcher, 2, [*flags, "--context-parallel-size", "2", "--context-parallel-algo",
+                                         "ulysses_cp_algo"],
+                           "fused_rope, context_parallel, local_mla", [CP_ATTENTION.format("ulysses"), ROTARY_OP])
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert {n for (_, target), n in calls.items() if target == CP_ATTENTION.format("ulysses")} == {2 * 2 * ITERATIONS}
+
+
 #: CP_COMPARABLE with Megatron's default attention dropout (0.1).
 CP_WITH_ATTENTION_DROPOUT = [*CP_COMPARABLE, "--attention-dropout", "0.1", "--context-parallel-size", "2"]
 

@@ -25,7 +25,6 @@ UNSUPPORTED = (
     Unsupported("sft", "--sft", False, "packed sequences are not supported"),
     Unsupported("window_size", "--window-size", None, "sliding-window attention is not supported"),
     Unsupported("softmax_type", "--softmax-type", "vanilla", "only the vanilla softmax is supported"),
-    Unsupported("multi_latent_attention", "--multi-latent-attention", False, "multi-latent attention is not supported"),
     Unsupported("use_legacy_models", "--use-legacy-models", False, "legacy models are not supported"),
     Unsupported("hybrid_context_parallel", "--hybrid-context-parallel", False,
                 "Megatron's dynamic context parallelism of packed sequences is not supported; ascendspeed's "

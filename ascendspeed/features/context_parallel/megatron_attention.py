@@ -103,6 +103,7 @@ class ContextParallelAttention:
         """Megatron's [s, b, heads, d] q/k/v in, [s, b, heads * d] out."""
         local_length, batch, heads, _ = query.shape
         dropout = self.dropout(layer, heads, query.device)
+        query, key, value, value_dim = _common_head_dim(query, key, value)
         seq_length = local_length * self.size
         groups = heads // key.size(2)
         if groups > 1:
@@ -126,7 +127,21 @@ class ContextParallelAttention:
         else:
             out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
                                    symmetric_alibi=symmetric, mask=mask, dropout=dropout, telemetry=self.telemetry)
-        return out.permute(2, 0, 1, 3).reshape(local_length, batch, heads * out.size(-1))
+        return out[..., :value_dim].permute(2, 0, 1, 3).reshape(local_length, batch, heads * value_dim)
+
+
+def _common_head_dim(query, key, value):
+    """q, k, v with one head size, and the value head size to cut the output back to. Multi-latent attention's
+    query/key heads (nope + rope features) are wider than its value heads, and the algorithms move keys and
+    values as one tensor: the narrower side is zero-padded (zero query/key features add nothing to a score,
+    zero value features give output features that are cut off)."""
+    value_dim = value.size(-1)
+    width = max(query.size(-1), value_dim)
+
+    def padded(t):
+        return torch.nn.functional.pad(t, (0, width - t.size(-1))) if t.size(-1) < width else t
+
+    return padded(query), padded(key), padded(value), value_dim
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,10 +1,11 @@
-"""``--multi-latent-attention`` with ``--transformer-impl local``: when it is on, and what it refuses."""
+"""``--multi-latent-attention`` with ``--transformer-impl local``: when it is on. Context parallelism takes MLA's
+head sizes itself (``context_parallel.megatron_attention``)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from ascendspeed.features.base import Feature, FeatureArgumentError
+from ascendspeed.features.base import Feature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,21 +16,11 @@ class LocalMlaSettings:
 class LocalMlaFeature(Feature[LocalMlaSettings]):
     name = "local_mla"
     example_flags = ("--multi-latent-attention", "--transformer-impl", "local")
-    megatron_arguments = {"multi_latent_attention": False, "transformer_impl": "local", "context_parallel_size": 1}
+    megatron_arguments = {"multi_latent_attention": False, "transformer_impl": "local"}
 
     def is_enabled(self, args: argparse.Namespace) -> bool:
         return bool(getattr(args, "multi_latent_attention", False)) and \
             getattr(args, "transformer_impl", "local") == "local"
-
-    def validate(self, args: argparse.Namespace) -> None:
-        if not self.is_enabled(args):
-            return
-        if getattr(args, "context_parallel_size", 1) > 1:
-            raise FeatureArgumentError(
-                f"--multi-latent-attention with --transformer-impl local cannot run with --context-parallel-size "
-                f"{args.context_parallel_size}: ascendspeed's context-parallel attention takes one head size for "
-                "keys and values; drop --context-parallel-size"
-            )
 
     def settings(self, args: argparse.Namespace) -> LocalMlaSettings:
         return LocalMlaSettings()
