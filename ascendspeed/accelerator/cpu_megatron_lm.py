@@ -45,9 +45,6 @@ CPU_ARGUMENT_DEFAULTS = {
 #: refused before Megatron-LM's own validation. ``--moe-grouped-gemm`` (TE's grouped linears) is refused by
 #: the TE fallback wherever TE is missing (``te_fallback.validation``), on the CPU too.
 CPU_MOE_REFUSALS = (
-    ("moe_permute_fusion", True, "--moe-permute-fusion",
-     "the fused token permutation is Transformer Engine's (>= 2.1, CUDA)",
-     "drop --moe-permute-fusion: megatron-core's unfused permutation then runs, the same math"),
     ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
      "the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only",
      "use --moe-token-dispatcher-type alltoall (or allgather)"),

@@ -8,5 +8,6 @@ FEATURE_MODULES = (
     "ascendspeed.features.reuse_fp32_param",
     "ascendspeed.features.context_parallel",
     "ascendspeed.features.moe",
+    "ascendspeed.features.moe_permute_fusion",
     "ascendspeed.features.local_mla",  # last: its DotProductAttention.__init__ wrap takes MLA's extra arguments
 )

@@ -4,3 +4,4 @@ from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, alibi_slopes, lo
 from ascendspeed.ops.rms_norm import rms_norm
 from ascendspeed.ops.rotary import rotary_embedding
 from ascendspeed.ops.bf16_split import bf16_join_, bf16_split_
+from ascendspeed.ops.moe_permute import permute_tokens, sort_chunks, unpermute_tokens

@@ -7,8 +7,9 @@ without a weighted fused kernel (gelu, Megatron's default), ``MLP.forward`` cann
 the scaled output bias in place on a view without it. ``mlp.py`` computes those experts' scale after the MLP
 (the MLP is linear after its activation, so the result is the same), and leaves every other MLP to Megatron.
 
-What the CPU cannot run (grouped GEMM, fused permutation, the flex dispatcher) is refused before Megatron-LM
-validates its arguments, by ``ascendspeed.accelerator.cpu_megatron_lm``; the gloo shape of the alltoall
+What the CPU cannot run (grouped GEMM, the flex dispatcher) is refused before Megatron-LM validates its
+arguments (the TE fallback, ``ascendspeed.accelerator.cpu_megatron_lm``); ``--moe-permute-fusion`` is the
+``moe_permute_fusion`` feature's; the gloo shape of the alltoall
 dispatcher's split sizes is a CPU shim (``ascendspeed.accelerator.cpu_megatron_core``). megatron-core users
 call ``ascendspeed.features.enable_features(num_experts=N)``. See ``docs/features/moe.md``.
 """
