@@ -25,6 +25,7 @@ from ascendspeed.features.fused_swiglu import mlp as fused_mlp
 from ascendspeed.patching import MANAGER
 
 ORIGINAL_BIAS_SWIGLU_IMPL = fused_bias_swiglu.bias_swiglu_impl
+ORIGINAL_WEIGHTED_BIAS_SWIGLU_IMPL = fused_bias_swiglu.weighted_bias_swiglu_impl
 FUSED_BACKWARD_NODE = "GeneratedBackwardFor_ascendspeed_swiglu_defaultBackward"
 
 
@@ -90,25 +91,28 @@ def test_patches_are_listed_swept_and_reverted(fused_swiglu):
     rows = [row for row in MANAGER.report() if row["feature"] == "fused_swiglu"]
     assert {(row["kind"], row["target"]) for row in rows} == {
         ("replace", "megatron.core.transformer.mlp:bias_swiglu_impl"),
+        ("replace", "megatron.core.transformer.mlp:weighted_bias_swiglu_impl"),
         ("wrap", "megatron.core.transformer.mlp:MLP.__init__"),
     }
     assert megatron_mlp.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl
     assert fused_bias_swiglu.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl  # the copy it was bound from
+    assert fused_bias_swiglu.weighted_bias_swiglu_impl is fused_mlp.fused_weighted_bias_swiglu_impl
     disable_features(["fused_swiglu"])
     assert megatron_mlp.bias_swiglu_impl is ORIGINAL_BIAS_SWIGLU_IMPL
     assert fused_bias_swiglu.bias_swiglu_impl is ORIGINAL_BIAS_SWIGLU_IMPL
+    assert fused_bias_swiglu.weighted_bias_swiglu_impl is ORIGINAL_WEIGHTED_BIAS_SWIGLU_IMPL
     assert not hasattr(MLP.__init__, "__wrapped__")
 
 
 # -- one MLP: the fused operator against megatron-core's own SwiGLU ------------------------------------
-def build_mlp(**overrides):
+def build_mlp(is_expert=False, **overrides):
     """An MLP with the same weights at every call (the feature decides its path when it is built)."""
     settings = dict(ffn_hidden_size=48, gated_linear_unit=True, activation_func=F.silu, use_cpu_initialization=True)
     settings.update(overrides)
     config = mu.TinyGPT().config(**settings)
     torch.manual_seed(mu.SEED)
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    return MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
+    return MLP(config, submodules, is_expert, ffn_hidden_size=config.ffn_hidden_size)
 
 
 def run_mlp(module, hidden):
@@ -142,6 +146,48 @@ def test_mlp_matches_megatron(megatron_world, fusion, bias):
     assert (out_bias is None) == (expected_bias is None)
     for name, expected in expected_grads.items():
         assert mu.relative_error(grads[name], expected) < 1e-6, name
+
+
+def _expert_reference(module, hidden, scale, grad):
+    """Float64: fc2(swiglu(fc1(x) + b1) * p) + b2 * p, the expert's output and the gradients of the input,
+    the routing probabilities and every parameter."""
+    params = {name: param.detach().double().requires_grad_() for name, param in module.named_parameters()}
+    x = hidden.detach().double().requires_grad_()
+    p = scale.detach().double().requires_grad_()
+    a = x @ params["linear_fc1.weight"].t() + params.get("linear_fc1.bias", 0)
+    gate, value = a.chunk(2, -1)
+    y = (F.silu(gate) * value * p.unsqueeze(-1)) @ params["linear_fc2.weight"].t()
+    if "linear_fc2.bias" in params:
+        y = y + params["linear_fc2.bias"] * p.unsqueeze(-1)
+    (y * grad.double()).sum().backward()
+    return y.detach(), {"input": x.grad, "probs": p.grad, **{name: t.grad for name, t in params.items()}}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("fusion", [True, False], ids=["bias-activation-fusion", "unfused-glu"])
+def test_expert_mlp_with_routing_probabilities_equals_the_float64_reference(megatron_world, fusion, bias):
+    """An expert MLP called with its tokens' routing probabilities (SequentialMLP's call) runs the fused
+    operator on every path, with and without a bias, and equals the float64 formula; the probabilities get
+    their gradient (the router learns through it)."""
+    enable_features(swiglu=True, use_fused_swiglu=True, num_experts=4)
+    try:
+        module = build_mlp(bias_activation_fusion=fusion, add_bias_linear=bias, is_expert=True)
+        hidden = torch.randn(24, 32, requires_grad=True)
+        scale = torch.rand(24, requires_grad=True)
+        output, output_bias = module(hidden, scale)
+        assert output_bias is None  # an expert adds its own bias times the probabilities
+        grad = torch.randn_like(output)
+        fused = FUSED_BACKWARD_NODE in backward_nodes(output)
+        output.backward(grad)
+    finally:
+        disable_features()
+    assert fused
+    expected, expected_grads = _expert_reference(module, hidden, scale, grad)
+    assert mu.relative_error(output.detach(), expected) < 1e-6
+    grads = {"input": hidden.grad, "probs": scale.grad,
+             **{name: param.grad for name, param in module.named_parameters()}}
+    for name, reference in expected_grads.items():
+        assert mu.relative_error(grads[name], reference) < 1e-5, name
 
 
 def test_mlp_with_glu_extras_keeps_megatron_path(megatron_world, fused_swiglu):

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ascendspeed.features import FeatureArgumentError, default_arguments, disable_features, enable_features
+from ascendspeed.features import default_arguments, disable_features, enable_features
 from ascendspeed.features.moe import FEATURE
 from tests.helpers.distributed import run_distributed_cases
 
@@ -228,8 +228,3 @@ def test_feature_is_on_with_experts_only():
     assert not FEATURE.is_enabled(default_arguments())
     assert FEATURE.is_enabled(enable_features(num_experts=4))
     disable_features()
-
-
-def test_fused_swiglu_is_refused_for_moe():
-    with pytest.raises(FeatureArgumentError, match="--use-fused-swiglu does not reach mixture-of-experts"):
-        enable_features(swiglu=True, use_fused_swiglu=True, num_experts=4)

@@ -519,10 +519,10 @@ def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_argument
         megatron_lm_arguments.validate_args(args, {})
 
 
-def test_fused_swiglu_with_moe_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
-    from ascendspeed.features import FeatureArgumentError
-
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, "--swiglu", "--use-fused-swiglu"])
-    args = megatron_lm_arguments.parse_args()
-    with pytest.raises(FeatureArgumentError, match="--use-fused-swiglu does not reach mixture-of-experts layers"):
-        megatron_lm_arguments.validate_args(args, {})
+def test_fused_swiglu_reaches_the_experts(launcher):
+    """--swiglu --use-fused-swiglu with MoE (before: refused, as the experts kept Megatron's SwiGLU): every
+    expert's activation, scaled by its tokens' routing probabilities, runs the fused operator on both ranks;
+    expert parallel 2, alltoall."""
+    flags = [*ALLTOALL_EP2, "--swiglu", "--use-fused-swiglu"]  # Megatron's default bias on the experts
+    _, calls, _ = _checked_run(launcher, 2, flags, "fused_swiglu, moe", [SWIGLU_OP])
+    assert all(n > 0 for n in calls.values()), calls

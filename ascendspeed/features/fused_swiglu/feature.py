@@ -16,7 +16,7 @@ class FusedSwigluSettings:
 class FusedSwigluFeature(Feature[FusedSwigluSettings]):
     name = "fused_swiglu"
     example_flags = ("--swiglu", "--use-fused-swiglu")
-    megatron_arguments = {"swiglu": False, "num_experts": None, **defaults_of(UNSUPPORTED)}
+    megatron_arguments = {"swiglu": False, **defaults_of(UNSUPPORTED)}
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("ascendspeed fused SwiGLU")
@@ -37,13 +37,6 @@ class FusedSwigluFeature(Feature[FusedSwigluSettings]):
             raise FeatureArgumentError(
                 "--use-fused-swiglu needs --swiglu: it replaces the SwiGLU activation of gated MLPs, and without "
                 "--swiglu the MLP has none. Add --swiglu or drop --use-fused-swiglu."
-            )
-        if getattr(args, "num_experts", None):
-            raise FeatureArgumentError(
-                f"--use-fused-swiglu does not reach mixture-of-experts layers (got --num-experts "
-                f"{args.num_experts}): their experts scale the activation by the routing probabilities, which "
-                "the fused operator does not take, so they would keep Megatron's SwiGLU while the log names "
-                "fused_swiglu. Drop --use-fused-swiglu for MoE models (--swiglu alone runs Megatron's)."
             )
         refuse_unsupported(args, UNSUPPORTED, "--use-fused-swiglu")
 

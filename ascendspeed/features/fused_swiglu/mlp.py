@@ -1,10 +1,11 @@
 """The patches of ``--use-fused-swiglu``: megatron-core's SwiGLU on ``ascendspeed.ops.swiglu``.
 
 megatron-core's ``MLP.forward`` computes a SwiGLU one of two ways: with ``bias_activation_fusion`` it
-calls ``bias_swiglu_impl`` (bound by name in ``mlp.py``), otherwise an unfused ``glu`` closure local to
-``forward``. One replacement covers both: ``bias_swiglu_impl`` becomes the fused operator, and MLPs that
-would take the unfused path with a plain SiLU gate are built with ``bias_activation_fusion`` on, in a copy
-of their config that only the MLP sees, so they reach that same replacement. Nothing here reads global
+calls ``bias_swiglu_impl`` (bound by name in ``mlp.py``; experts called with routing probabilities call
+``weighted_bias_swiglu_impl``), otherwise an unfused ``glu`` closure local to ``forward``. Two replacements
+cover every path: both functions become the fused operator, and MLPs that would take the unfused path with
+a plain SiLU gate are built with ``bias_activation_fusion`` on, in a copy of their config that only the MLP
+sees, so they reach those replacements. Nothing here reads global
 arguments; each MLP sees only its own config.
 """
 from __future__ import annotations
@@ -36,17 +37,33 @@ def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input
     return swiglu(x, -1)
 
 
-def wrap_mlp_init(original):
-    """Dense MLPs on the unfused plain-SiLU gated path are switched to the fusion path.
+def fused_weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
+    """megatron-core's ``weighted_bias_swiglu_impl`` (an expert's SwiGLU scaled by its tokens' routing
+    probabilities) on the fused operator: ``swiglu(input + bias) * weights`` in the promoted dtype, cast to
+    the input's dtype as megatron-core casts. A bias is taken (megatron-core's raises NotImplementedError)."""
+    if fp8_input_store:
+        raise ValueError(
+            "ascendspeed fused SwiGLU keeps its saved input in the activation dtype; it cannot run with "
+            "activation_func_fp8_input_store=True. Turn that off in the TransformerConfig or drop "
+            "--use-fused-swiglu."
+        )
+    shape = input.shape
+    x = input.reshape(-1, shape[-1])
+    if bias is not None:
+        x = x + bias
+    out = (swiglu(x, -1) * weights).to(input.dtype)
+    return out.view(*shape[:-1], shape[-1] // 2)
 
-    Experts are left alone: they take a per-token scale, and megatron-core's fusion path then calls its
-    own weighted kernel, not ``bias_swiglu_impl``.
-    """
+
+def wrap_mlp_init(original):
+    """MLPs on the unfused plain-SiLU gated path, dense and experts, are switched to the fusion path, where
+    ``bias_swiglu_impl`` (dense) and ``weighted_bias_swiglu_impl`` (experts with routing probabilities) are
+    the fused operator."""
 
     @functools.wraps(original)
     def __init__(self, config, submodules, is_expert=False, *args, **kwargs):
         original(self, config, submodules, is_expert, *args, **kwargs)
-        if not is_expert and runs_plain_gated_silu(config):
+        if runs_plain_gated_silu(config):
             self.config = copy.copy(config)
             self.config.bias_activation_fusion = True
 
@@ -58,6 +75,9 @@ def patches() -> list[Patch]:
         replace("megatron.core.transformer.mlp:bias_swiglu_impl", fused_bias_swiglu_impl,
                 expect="(input, bias, fp8_input_store=False, cpu_offload_input=False)",
                 name="fused SwiGLU: bias_swiglu_impl on the fused operator"),
+        replace("megatron.core.transformer.mlp:weighted_bias_swiglu_impl", fused_weighted_bias_swiglu_impl,
+                expect="(input, bias, weights, fp8_input_store=False)",
+                name="fused SwiGLU: experts' weighted_bias_swiglu_impl on the fused operator"),
         wrap("megatron.core.transformer.mlp:MLP.__init__", wrap_mlp_init,
              expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
                     "tp_group=None)",
