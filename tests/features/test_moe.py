@@ -13,6 +13,7 @@ per_token_scale in MLP", or without the fusion an in-place update of a view), on
 ``all_to_all_single`` (split sizes given as numpy arrays).
 """
 import functools
+import inspect
 
 import pytest
 import torch
@@ -228,3 +229,31 @@ def test_feature_is_on_with_experts_only():
     assert not FEATURE.is_enabled(default_arguments())
     assert FEATURE.is_enabled(enable_features(num_experts=4))
     disable_features()
+
+
+def test_router_bias_is_drawn_by_init_method():
+    """megatron-core 0.15 made the router bias with torch.empty and never initialised it (runs differed from
+    run to run); on every release the bias is now drawn by the config's init_method, as 0.16 draws it."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tests.helpers import megatron as mu
+
+    def init_method(tensor):
+        return tensor.data.fill_(0.25)
+
+    enable_features(num_experts=EXPERTS)
+    try:
+        with mu.one_process_world():
+            config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
+                                       moe_router_topk=TOPK, add_bias_linear=True, init_method=init_method)
+            groups = {}
+            if "pg_collection" in inspect.signature(TopKRouter.__init__).parameters:
+                from megatron.core.process_groups_config import ProcessGroupCollection
+
+                groups["pg_collection"] = ProcessGroupCollection.use_mpu_process_groups()
+            router = TopKRouter(config=config, **groups)
+    finally:
+        disable_features()
+    assert torch.equal(router.weight, torch.full((EXPERTS, HIDDEN), 0.25))
+    assert torch.equal(router.bias, torch.full((EXPERTS,), 0.25))

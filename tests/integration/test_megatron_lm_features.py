@@ -454,16 +454,10 @@ def test_moe_permute_fusion_gives_the_unfused_losses(launcher, alltoall_ep2_run)
     """--moe-permute-fusion without Transformer Engine (before: "fused permutation is not available. Please
     install TE"): ascendspeed's operators permute, regroup and unpermute on every rank, and the losses are
     those of megatron-core's unfused permutation."""
-    from ascendspeed.patching import release
-    from ascendspeed.patching.patch import installed_version
-
     reference, _, _ = alltoall_ep2_run
     losses, calls, _ = _checked_run(launcher, 2, [*ALLTOALL_EP2, "--moe-permute-fusion"], "moe, moe_permute_fusion",
                                     [GLOO_SPLIT_SIZES, *PERMUTE_OPS])
-    if release(installed_version()) >= (0, 19, 0):
-        # 0.15.3's MoE runs differ from run to run without the flag too (first losses 5.5327 to 5.5413 over four
-        # runs of one command); there tests/features/test_moe.py shows the layer equal to the bit
-        assert losses == reference
+    assert losses == reference
     for rank in range(2):
         permutes = calls[rank, PERMUTE_OPS[0]]
         # per MoE layer forward: one permute and one unpermute, a regrouping on dispatch and one on combine

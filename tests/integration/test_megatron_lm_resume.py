@@ -65,6 +65,11 @@ FAMILIES = {
     "pp2": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"],
     # attention dropout by position: the seed of each layer's masks is drawn again from the restored RNG
     "cp2": ["--use-distributed-optimizer", "--context-parallel-size", "2"],
+    # mixture of experts: 4 experts over 2 expert-parallel ranks (each rank saves its own), alltoall with the
+    # fused permutation, top-2 routing with the load-balancing loss
+    "ep2-moe": ["--use-distributed-optimizer", "--num-experts", "4", "--moe-router-topk", "2",
+                "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2",
+                "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion"],
     "dp2-no-dropout": NO_DROPOUT,
     "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
     "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],
@@ -167,11 +172,11 @@ def test_dropout_without_distributed_optimizer(launcher, tmp_path):
     _check(launcher, tmp_path, "fp32", ["--ckpt-format", "torch_dist"], 1e-6)
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "cp2", "fp16-vpp-overlap"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "cp2", "ep2-moe", "fp16-vpp-overlap"])
 def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher, tmp_path, layout):
     """TP 2 with sequence parallelism (hidden dropout from the model-parallel RNG tracker), PP 2 (each stage
-    saves its own layers), CP 2, and fp16 with virtual pipeline stages and ``--overlap-grad-reduce``, with the
-    distributed optimizer, in ``torch_dist``."""
+    saves its own layers), CP 2, EP 2 (MoE), and fp16 with virtual pipeline stages and ``--overlap-grad-reduce``,
+    with the distributed optimizer, in ``torch_dist``."""
     _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
 
 
