@@ -100,6 +100,27 @@ def _add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                             "(a frozen or stopped process); 0 switches the watchdog off")
 
 
+def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's mixture-of-experts flags (their names, defaults and choices)."""
+    group = parser.add_argument_group("mixture of experts (megatron-core's MoELayer, local experts)")
+    group.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (every layer); default: dense")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="experts each token goes to")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's; default --ffn-hidden-size")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="ranks the experts are divided over (within the data- and context-parallel ranks)")
+    group.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+    group.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                       choices=["aux_loss", "seq_aux_loss", "none"])
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss")
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="tokens an expert takes, as a multiple of its even share; more are dropped")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                       help="with a capacity factor, pad every expert's tokens to its capacity")
+    group.add_argument("--moe-permute-fusion", action="store_true",
+                       help="permute tokens with fused operators (ascendspeed's where Transformer Engine is missing)")
+
+
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=int, default=8)
@@ -189,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(parser)
     _add_parallel_arguments(parser)
+    _add_moe_arguments(parser)
     _add_training_arguments(parser)
     _add_optimizer_arguments(parser)
     _add_data_and_logging_arguments(parser)
@@ -236,6 +258,11 @@ POSITIVE = {
     "--loss-scale-window": "loss_scale_window",
     "--loss-scale": "loss_scale",
     "--rotary-base": "rotary_base",
+    "--num-experts": "num_experts",
+    "--moe-router-topk": "moe_router_topk",
+    "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
+    "--expert-model-parallel-size": "expert_model_parallel_size",
+    "--moe-expert-capacity-factor": "moe_expert_capacity_factor",
 }
 
 #: Values that may be 0 but not negative (``--eval-interval 0`` switches periodic validation off,
@@ -251,6 +278,8 @@ NON_NEGATIVE = {
     "--sgd-momentum": "sgd_momentum",
     "--eval-interval": "eval_interval",
     "--rank-stall-timeout-seconds": "rank_stall_timeout_seconds",
+    "--moe-aux-loss-coeff": "moe_aux_loss_coeff",
+    "--moe-z-loss-coeff": "moe_z_loss_coeff",
 }
 
 _PROBABILITY = ("[0, 1)", lambda value: 0 <= value < 1)
@@ -321,6 +350,7 @@ def finalize_args(args: argparse.Namespace, world_size: int, device: str) -> arg
     if args.use_fused_swiglu is None:
         args.use_fused_swiglu = args.swiglu
     _finalize_model_shape(args)
+    _finalize_moe(args)
     _finalize_schedule(args)
 
     if not args.add_bias_linear:
@@ -391,6 +421,31 @@ def _finalize_model_shape(args: argparse.Namespace) -> None:
              f"{args.seq_length} must be divisible by --tensor-model-parallel-size {tp}")
     _require(not (args.fp16 and args.bf16), "--fp16 and --bf16 are exclusive")
     _finalize_eval_seq_lengths(args)
+
+
+def _finalize_moe(args: argparse.Namespace) -> None:
+    """The expert layout: experts divide over --expert-model-parallel-size ranks taken from the data- and
+    context-parallel ranks of one tensor-parallel group (megatron-core's expert grid)."""
+    ep = args.expert_model_parallel_size
+    if not args.num_experts:
+        _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts: this model has no experts")
+        _require(not args.moe_permute_fusion, "--moe-permute-fusion needs --num-experts: this model has no experts")
+        return
+    _require(args.moe_router_topk <= args.num_experts,
+             f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
+    _require(args.num_experts % ep == 0,
+             f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    spare = args.data_parallel_size * args.context_parallel_size
+    _require(spare % ep == 0,
+             f"--expert-model-parallel-size {ep} must divide data-parallel x context-parallel size ({spare}): "
+             "the experts are divided over those ranks")
+    _require(not args.moe_pad_expert_input_to_capacity or args.moe_expert_capacity_factor is not None,
+             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    _require(args.moe_ffn_hidden_size % args.tensor_model_parallel_size == 0,
+             f"--moe-ffn-hidden-size {args.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size "
+             f"{args.tensor_model_parallel_size}")
 
 
 def _finalize_eval_seq_lengths(args: argparse.Namespace) -> None:

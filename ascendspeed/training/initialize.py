@@ -50,6 +50,7 @@ def initialize_parallel(args: argparse.Namespace) -> ParallelState:
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         )
     set_seed(args.seed)
     return ParallelState(device, owns_process_group, owns_model_parallel)

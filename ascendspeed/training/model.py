@@ -62,8 +62,28 @@ def build_config(args: argparse.Namespace) -> TransformerConfig:
         fp16=args.fp16,
         bf16=args.bf16,
         use_cpu_initialization=bool(args.use_cpu_initialization),
+        **_moe_config(args),
     )
     return configure_transformer_config(config, args)
+
+
+def _moe_config(args: argparse.Namespace) -> dict:
+    """The ``TransformerConfig`` fields of Megatron-LM's MoE flags (none for a dense model)."""
+    if not args.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_permute_fusion=args.moe_permute_fusion,
+    )
 
 
 def vocab_size(args: argparse.Namespace) -> int:
@@ -78,7 +98,8 @@ def _gpt_chunk(args: argparse.Namespace, config: TransformerConfig, vp_stage) ->
     last_chunk = vp_stage is None or vp_stage == vp_size - 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
+                                                        normalization=args.normalization),
         vocab_size=vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True) and first_chunk,
@@ -192,16 +213,22 @@ def unwrap(chunk) -> GPTModel:
     return chunk
 
 
-def local_parameter_count(model: list[DistributedDataParallel]) -> int:
-    """This rank's share of the model's parameter count: summed over all ranks of a model-parallel group
-    it gives the model size (replicated tensors and the last stage's copy of a tied embedding count once)."""
+def local_parameter_count(model: list[DistributedDataParallel]) -> tuple[int, int]:
+    """This rank's share of the model's parameter count, as (dense, expert): summed over the ranks of a
+    model-parallel group the first gives the dense parameters (replicated tensors and the last stage's copy
+    of a tied embedding count once), summed over an expert-tensor-model-pipeline group the second gives the
+    experts (megatron-core marks expert parameters ``allreduce=False``: they are divided over the
+    expert-parallel ranks, which are data-parallel ranks of the dense model)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    total = 0
+    dense = expert = 0
     for chunk in model:
         gpt = unwrap(chunk)
         for name, param in gpt.named_parameters():
             if name == "output_layer.weight" and gpt.share_embeddings_and_output_weights and not gpt.pre_process:
                 continue
-            if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
-                total += param.numel()
-    return total
+            if not getattr(param, "allreduce", True):
+                if getattr(param, "tensor_model_parallel", False) or parallel_state.get_expert_tensor_parallel_rank() == 0:
+                    expert += param.numel()
+            elif getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
+                dense += param.numel()
+    return dense, expert

@@ -292,10 +292,13 @@ class Trainer:
         return self.args.global_batch_size * self.args.seq_length
 
     def num_parameters(self) -> int:
-        """Parameters of the whole model, whatever its tensor and pipeline layout."""
-        total = torch.tensor([local_parameter_count(self.model)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-        return int(total.item())
+        """Parameters of the whole model, whatever its tensor, pipeline and expert layout."""
+        dense, expert = local_parameter_count(self.model)
+        dense = torch.tensor([dense], dtype=torch.float64, device=self.device)
+        dist.all_reduce(dense, group=parallel_state.get_model_parallel_group())
+        expert = torch.tensor([expert], dtype=torch.float64, device=self.device)
+        dist.all_reduce(expert, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+        return int(dense.item() + expert.item())
 
     def learning_rate(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -441,12 +444,15 @@ class Trainer:
         args = self.args
         data = ", ".join(args.data_path) if args.data_path else f"embedded {DEFAULT_TEXT.name}"
         vpp = f", vpp {args.virtual_pipeline_model_parallel_size}" if args.virtual_pipeline_model_parallel_size else ""
+        moe_layout = f", ep {args.expert_model_parallel_size}" if args.num_experts else ""
+        experts = (f" in {args.num_experts} experts (top-{args.moe_router_topk}, {args.moe_token_dispatcher_type} "
+                   f"dispatcher, expert ffn {args.moe_ffn_hidden_size})" if args.num_experts else "")
         print_rank_0(
             f"ascendspeed pretrain_gpt: {args.world_size} rank(s) on {args.device} "
             f"(tp {args.tensor_model_parallel_size}, pp {args.pipeline_model_parallel_size}{vpp}, "
-            f"dp {args.data_parallel_size}), backend {args.distributed_backend}\n"
+            f"dp {args.data_parallel_size}{moe_layout}), backend {args.distributed_backend}\n"
             f"  model: GPT {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-            f"ffn {args.ffn_hidden_size}, {args.position_embedding_type} positions, "
+            f"ffn {args.ffn_hidden_size}{experts}, {args.position_embedding_type} positions, "
             f"{num_parameters / 1e6:.2f}M parameters, {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}\n"
             f"  data: {data}: {len(self.splits.train):,} training / {len(self.splits.valid):,} validation "
             f"bytes (byte-level tokens)\n"

@@ -93,7 +93,15 @@ def _checkpoint_worker(rank, world_size, directory, extra):
     }
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"]], ids=["fp32", "distopt-bf16"])
+#: Mixture of experts: 4 experts over 2 expert-parallel ranks (each saves its own), alltoall with the fused
+#: permutation, top-2 with the load-balancing loss, the distributed optimizer.
+MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+           "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion",
+           "--use-distributed-optimizer"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"], MOE_EP2],
+                         ids=["fp32", "distopt-bf16", "moe-ep2"])
 def test_resuming_from_a_checkpoint_continues_the_loss_curve(tmp_path, extra):
     results = run_distributed(_checkpoint_worker, 2, str(tmp_path), extra, timeout=240)
     result = results[0]

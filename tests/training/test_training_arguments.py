@@ -92,6 +92,14 @@ def test_swiglu_sizes_the_mlp_like_megatron():
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "micro-batches"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "--pipeline-model-parallel-size > 1"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
+    (["--moe-permute-fusion"], "--moe-permute-fusion needs --num-experts"),
+    (["--num-experts", "2", "--moe-router-topk", "4"], "--moe-router-topk 4 exceeds --num-experts 2"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--num-experts 3 is not divisible"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+     "must divide data-parallel x context-parallel size (1)"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
+    (["--num-experts", "0"], "--num-experts"),
 ])
 def test_inconsistent_flags_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
