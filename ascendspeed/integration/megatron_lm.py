@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 
 from ascendspeed.integration import dataset_helpers, hybrid_layers, mock_dataset
 from ascendspeed.patching import PatchManager, wrap
@@ -66,8 +67,10 @@ def _wrap_validate_args(original):
             result = original(args, defaults)
         enabled = apply_features(args)
         if getattr(args, "rank", 0) == 0:
-            # One line in the training log saying which features this run really has switched on.
-            print(f"> ascendspeed features: {', '.join(f.name for f in enabled) or 'none'}", flush=True)
+            # One line in the training log saying which features this run really has switched on, written in
+            # one call (print writes the newline separately: another rank's output could land before it).
+            sys.stdout.write(f"> ascendspeed features: {', '.join(f.name for f in enabled) or 'none'}\n")
+            sys.stdout.flush()
         return result
 
     return validate_args

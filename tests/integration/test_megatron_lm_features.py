@@ -488,6 +488,28 @@ def test_moe_routing_variants_expert_parallel_two_processes(launcher, variant):
     assert all(n > 0 for n in calls.values()), calls
 
 
+#: MoE with the other parallelisms, the fused permutation on: (flags, the adaptor's report).
+MOE_LAYOUTS = {
+    "pp2-distopt": (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
+                    "moe, moe_permute_fusion"),
+    "cp2-alltoall": (["--context-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+                     "context_parallel, moe, moe_permute_fusion"),
+    # Megatron: a bias on experts needs expert-TP 1 (TP 2 gives them 2); the experts' SwiGLU on the operator
+    "tp2-sp-swiglu": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear",
+                       "--moe-token-dispatcher-type", "alltoall", "--swiglu", "--use-fused-swiglu"],
+                      "fused_swiglu, local_norm, moe, moe_permute_fusion"),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_with_pipeline_context_and_tensor_parallelism(launcher, layout):
+    """MoE layers on PP 2 (distributed optimizer), CP 2 and TP 2 with sequence parallelism: training runs,
+    the loss falls, and the permutation operators ran on every rank."""
+    flags, report = MOE_LAYOUTS[layout]
+    _, calls, _ = _checked_run(launcher, 2, [*MOE, "--moe-permute-fusion", *flags], report, PERMUTE_OPS[:2])
+    assert all(n > 0 for n in calls.values()), calls
+
+
 def test_moe_grouped_gemm_without_transformer_engine_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
     """Refused before Megatron-LM's own validation asks the CUDA compute capability for grouped GEMM."""
     from ascendspeed.features import FeatureArgumentError
