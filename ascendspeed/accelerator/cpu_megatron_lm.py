@@ -42,8 +42,8 @@ CPU_ARGUMENT_DEFAULTS = {
 }
 
 #: Megatron-LM MoE flags that need CUDA-only libraries: (dest, value that is refused, the flag, why, the fix),
-#: refused before Megatron-LM's own validation. ``--moe-grouped-gemm`` (TE's grouped linears) is refused by
-#: the TE fallback wherever TE is missing (``te_fallback.validation``), on the CPU too.
+#: refused before Megatron-LM's own validation. ``--moe-grouped-gemm`` runs on the TE fallback's grouped linears
+#: (``te_fallback.grouped_linear``); its CUDA compute-capability check is answered in ``validation_environment``.
 CPU_MOE_REFUSALS = (
     ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
      "the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only",
@@ -124,15 +124,25 @@ def check_cpu_arguments(args) -> None:
 
 
 @contextlib.contextmanager
-def validation_environment():
-    """``validate_args`` demands ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism (it orders CUDA
-    kernel launches, meaningless on the CPU): it is set for the duration of the validation."""
+def validation_environment(args):
+    """What ``validate_args`` asks of a CUDA device, answered for the CPU for the duration of the validation:
+
+    * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism (it orders CUDA kernel launches, meaningless
+      on the CPU) is set;
+    * ``--moe-grouped-gemm`` makes it assert a CUDA compute capability of 8 or more (TE's and the grouped_gemm
+      package's kernels need it; before 0.16 also bf16, the legacy kernels' only dtype): the grouped linears
+      that serve the flag here are ascendspeed's operators, which need neither, so the flag is lifted while
+      Megatron-LM validates and set again after.
+    """
     name = "CUDA_DEVICE_MAX_CONNECTIONS"
     before = os.environ.get(name)
     os.environ[name] = "1"
+    grouped_gemm = getattr(args, "moe_grouped_gemm", False)
+    args.moe_grouped_gemm = False
     try:
         yield
     finally:
+        args.moe_grouped_gemm = grouped_gemm
         if before is None:
             del os.environ[name]
         else:

@@ -2,8 +2,10 @@
 Megatron-LM validates them: layers whose megatron-core module needs a CUDA-only package that is not installed
 are refused here, naming the layer's symbol and the package, instead of failing while the model is built.
 
-Attention (``*``) and MLP (``-``) layers are megatron-core's own modules (with Transformer Engine's classes served
-by ``accelerator.te_fallback`` where TE is absent) and run on every device. Mamba (``M``) mixers call
+Attention (``*``), MLP (``-``) and MoE (``E``) layers are megatron-core's own modules (with Transformer Engine's
+classes served by ``accelerator.te_fallback`` where TE is absent) and run on every device; the hybrid specs build
+MoE layers as grouped experts (``TEGroupedMLP``), whose own refusals (the bias-dropout fusion with biased
+linears, a bias-gelu fusion) are made here, naming the flags. Mamba (``M``) mixers call
 ``mamba_ssm``'s and ``causal_conv1d``'s CUDA/triton kernels; gated delta net (``G``) layers call
 ``fla`` (flash-linear-attention) triton kernels.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from ascendspeed.accelerator.te_fallback.validation import check_grouped_expert_settings
 from ascendspeed.features.base import FeatureArgumentError
 
 #: Pattern symbol -> (layer, the packages its megatron-core module needs).
@@ -44,3 +47,6 @@ def check_hybrid_pattern(args) -> None:
                     f"{' and '.join(packages)} (CUDA/triton kernels); not installed: {', '.join(missing)}. "
                     "Use attention (*) and MLP (-) layers, or install those packages on a CUDA machine"
                 )
+        if "E" in pattern:
+            check_grouped_expert_settings(args, f"{flag} {pattern!r} has MoE layers (E), which megatron-core's "
+                                                "hybrid specs build as grouped experts")

@@ -62,7 +62,7 @@ def _wrap_validate_args(original):
         environment = contextlib.nullcontext()
         if _on_cpu():
             cpu_megatron_lm.check_cpu_arguments(args)
-            environment = cpu_megatron_lm.validation_environment()
+            environment = cpu_megatron_lm.validation_environment(args)
         with environment:
             result = original(args, defaults)
         enabled = apply_features(args)

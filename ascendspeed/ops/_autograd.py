@@ -11,12 +11,18 @@ node is recorded on whatever tensors reach the Autograd key, which under ``torch
 transform's wrappers, so grad, vjp, jacrev, hessian and their compositions with vmap work as for
 ``torch.sin``. :func:`refuse_autograd` is the Autograd kernel of an operator without a derivative: it
 raises instead of torch's warning and a silently missing gradient.
+
+An operator with ``Tensor[]`` arguments (``grouped_linear``'s weights) is applied with its arguments
+flattened, so each tensor of a list is an input of the autograd node; ``setup_context`` and ``backward`` see
+the arguments as the schema has them (a list of gradients for a list), and ``ctx.input_needs_grad`` says which
+inputs need a gradient in that same shape.
 """
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.autograd import forward_ad
 from torch._functorch.utils import enable_single_level_autograd_function
 
@@ -33,15 +39,20 @@ def _with_defaults(op: torch._ops.OpOverload, args: tuple) -> tuple:
     return (*args, *(argument.default_value for argument in missing))
 
 
+def _tensors(args):
+    """The tensors of ``args``, those inside ``Tensor[]`` arguments included."""
+    return (a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+
+
 def _requires_grad(args) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    return any(a.requires_grad for a in _tensors(args))
 
 
 def _has_tangent(args) -> bool:
     """Whether a forward-mode AD tangent (``torch.func.jvp``, ``jacfwd``, ``forward_ad``) rides on an input."""
     if forward_ad._current_level < 0:
         return False
-    return any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
+    return any(forward_ad.unpack_dual(a).tangent is not None for a in _tensors(args))
 
 
 def _refuse_forward_mode(name: str, args) -> None:
@@ -69,6 +80,11 @@ def register_autograd(name: str, backward: Callable, setup_context: Callable) ->
         with forward_ad._set_fwd_grad_enabled(True):
             return _below_autograd(op, args)
 
+    flattened = any(isinstance(a.type, torch.ListType) and a.type.getElementType().isSubtypeOf(torch.TensorType.get())
+                    for a in op._schema.arguments)
+    if flattened:
+        forward, setup_context, backward = _flattening(forward, setup_context, backward)
+
     function = type(
         f"GeneratedBackwardFor_ascendspeed_{name}_default",  # torch's name: grad_fn names stay as they were
         (torch.autograd.Function,),
@@ -84,11 +100,47 @@ def register_autograd(name: str, backward: Callable, setup_context: Callable) ->
         args = _with_defaults(op, args)
         _refuse_forward_mode(name, args)
         if torch.is_grad_enabled() and _requires_grad(args):
+            if flattened:
+                leaves, spec = pytree.tree_flatten(args)
+                return _record(function, (spec, *leaves))
             return _record(function, args)
         return _below_autograd(op, args)
 
     _LIBRARY.impl(name, autograd_kernel, "Autograd")
     return function
+
+
+def _flattening(forward: Callable, setup_context: Callable, backward: Callable):
+    """``forward`` / ``setup_context`` / ``backward`` taking ``(spec, *leaves)``, the flattened arguments of an
+    operator with ``Tensor[]`` arguments, around the ones written for the arguments as the schema has them."""
+
+    def flat_forward(spec, *leaves):
+        return forward(*pytree.tree_unflatten(list(leaves), spec))
+
+    def flat_setup_context(ctx, inputs, output):
+        spec, *leaves = inputs
+        ctx.arguments_spec = spec
+        setup_context(ctx, pytree.tree_unflatten(leaves, spec), output)
+
+    def flat_backward(ctx, *grad_outputs):
+        spec = ctx.arguments_spec
+        ctx.input_needs_grad = pytree.tree_unflatten(list(ctx.needs_input_grad[1:]), spec)
+        grads = backward(ctx, *grad_outputs)
+        return (None, *(g for argument, grad in zip(spec.children(), grads) for g in _leaf_grads(argument, grad)))
+
+    return flat_forward, flat_setup_context, flat_backward
+
+
+def _leaf_grads(argument: pytree.TreeSpec, grad) -> list:
+    """One gradient per leaf of an argument (its ``TreeSpec``) from ``grad``: None, one tensor, or a list."""
+    leaves = argument.num_leaves
+    if grad is None:
+        return [None] * leaves
+    if isinstance(grad, (list, tuple)):
+        if len(grad) != leaves:
+            raise RuntimeError(f"backward returned {len(grad)} gradients for a list of {leaves} inputs")
+        return list(grad)
+    return [grad]
 
 
 def _record(function: type[torch.autograd.Function], args: tuple):

@@ -19,3 +19,13 @@ def load_extension():
     except ImportError as exc:
         raise RuntimeError(f"ascendspeed: {_BUILD_HINT} ({exc})") from exc
     return torch.ops.ascendspeed
+
+
+def composite_kernel_devices() -> tuple[str, ...]:
+    """Devices whose kernels of an operator are its torch-op composition (no C++ kernel of ours there): CUDA
+    always; the NPU only where torch_npu imports (it names the device "npu")."""
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return ("cuda",)
+    return ("cuda", "npu")

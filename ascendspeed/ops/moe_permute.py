@@ -25,13 +25,12 @@ a fixed number per token, which a routing map after token dropping does not have
 """
 from __future__ import annotations
 
-import importlib
 from typing import Optional
 
 import torch
 
 from ascendspeed.ops._autograd import register_autograd
-from ascendspeed.ops._extension import load_extension
+from ascendspeed.ops._extension import composite_kernel_devices, load_extension
 
 __all__ = [
     "permute_tokens",
@@ -225,16 +224,7 @@ def _composite_sort_chunks(x: torch.Tensor, split_sizes: torch.Tensor, sorted_id
     return torch.cat([chunks[i] for i in sorted_idxs.tolist()], dim=0)
 
 
-def _devices_with_composite_kernels() -> tuple[str, ...]:
-    """CUDA always; the NPU only where torch_npu imports (it names the device "npu")."""
-    try:
-        importlib.import_module("torch_npu")
-    except ImportError:
-        return ("cuda",)
-    return ("cuda", "npu")
-
-
-for _device in _devices_with_composite_kernels():
+for _device in composite_kernel_devices():
     torch.library.register_kernel("ascendspeed::moe_permute_index", _device, _composite_permute_index)
     torch.library.register_kernel("ascendspeed::moe_gather", _device, _composite_gather)
     torch.library.register_kernel("ascendspeed::moe_scatter_add", _device, _composite_scatter_add)

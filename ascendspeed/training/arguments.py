@@ -119,6 +119,9 @@ def _add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with a capacity factor, pad every expert's tokens to its capacity")
     group.add_argument("--moe-permute-fusion", action="store_true",
                        help="permute tokens with fused operators (ascendspeed's where Transformer Engine is missing)")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="run a layer's local experts as grouped GEMMs (megatron-core's TEGroupedMLP; "
+                            "ascendspeed's grouped linears where Transformer Engine is missing)")
 
 
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
@@ -430,7 +433,14 @@ def _finalize_moe(args: argparse.Namespace) -> None:
     if not args.num_experts:
         _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts: this model has no experts")
         _require(not args.moe_permute_fusion, "--moe-permute-fusion needs --num-experts: this model has no experts")
+        _require(not args.moe_grouped_gemm, "--moe-grouped-gemm needs --num-experts: this model has no experts")
         return
+    _require(not (args.moe_grouped_gemm and args.add_bias_linear and args.bias_dropout_fusion),
+             "--moe-grouped-gemm with biased linear layers cannot use the bias-dropout fusion (megatron-core's "
+             "TEGroupedMLP refuses it): pass --no-bias-dropout-fusion, or --disable-bias-linear")
+    _require(not (args.moe_grouped_gemm and not args.swiglu and args.bias_gelu_fusion),
+             "--moe-grouped-gemm fuses the bias into SwiGLU only (megatron-core's TEGroupedMLP): pass "
+             "--no-bias-gelu-fusion with --no-swiglu")
     _require(args.moe_router_topk <= args.num_experts,
              f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts {args.num_experts}")
     _require(args.num_experts % ep == 0,

@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
@@ -83,12 +84,23 @@ def _moe_config(args: argparse.Namespace) -> dict:
         moe_expert_capacity_factor=args.moe_expert_capacity_factor,
         moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
         moe_permute_fusion=args.moe_permute_fusion,
+        moe_grouped_gemm=args.moe_grouped_gemm,
     )
 
 
 def vocab_size(args: argparse.Namespace) -> int:
     return padded_vocab_size(ByteTokenizer().vocab_size, args.make_vocab_size_divisible_by,
                              args.tensor_model_parallel_size)
+
+
+def _layer_spec(args: argparse.Namespace):
+    """megatron-core's local layer; with ``--moe-grouped-gemm`` its MoE layer is the Transformer Engine spec's
+    (``TEGroupedMLP``, the one spec with grouped experts), on ascendspeed's grouped linears where TE is missing."""
+    spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
+                                    normalization=args.normalization)
+    if args.num_experts and args.moe_grouped_gemm:
+        spec.submodules.mlp = get_moe_module_spec(use_te=True, num_experts=args.num_experts, moe_grouped_gemm=True)
+    return spec
 
 
 def _gpt_chunk(args: argparse.Namespace, config: TransformerConfig, vp_stage) -> GPTModel:
@@ -98,8 +110,7 @@ def _gpt_chunk(args: argparse.Namespace, config: TransformerConfig, vp_stage) ->
     last_chunk = vp_stage is None or vp_stage == vp_size - 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
-                                                        normalization=args.normalization),
+        transformer_layer_spec=_layer_spec(args),
         vocab_size=vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True) and first_chunk,

@@ -89,7 +89,7 @@ def test_absent_names_are_added_and_deleted_again():
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
     ({"cuda_graph_impl": "local"}, "--cuda-graph-impl"),
     ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
-    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm"),
+    ({"moe_use_legacy_grouped_gemm": True}, "--moe-use-legacy-grouped-gemm"),
     ({"transformer_impl": "inference_optimized"}, "--transformer-impl inference_optimized"),
 ])
 def test_what_needs_transformer_engine_is_refused_naming_the_flag(flags, named):

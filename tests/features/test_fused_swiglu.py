@@ -12,6 +12,7 @@ from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import mlp as megatron_mlp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ascendspeed.features import (
     FeatureArgumentError,
@@ -93,6 +94,7 @@ def test_patches_are_listed_swept_and_reverted(fused_swiglu):
         ("replace", "megatron.core.transformer.mlp:bias_swiglu_impl"),
         ("replace", "megatron.core.transformer.mlp:weighted_bias_swiglu_impl"),
         ("wrap", "megatron.core.transformer.mlp:MLP.__init__"),
+        ("wrap", "megatron.core.transformer.moe.experts:TEGroupedMLP.__init__"),
     }
     assert megatron_mlp.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl
     assert fused_bias_swiglu.bias_swiglu_impl is fused_mlp.fused_bias_swiglu_impl  # the copy it was bound from
@@ -102,6 +104,7 @@ def test_patches_are_listed_swept_and_reverted(fused_swiglu):
     assert fused_bias_swiglu.bias_swiglu_impl is ORIGINAL_BIAS_SWIGLU_IMPL
     assert fused_bias_swiglu.weighted_bias_swiglu_impl is ORIGINAL_WEIGHTED_BIAS_SWIGLU_IMPL
     assert not hasattr(MLP.__init__, "__wrapped__")
+    assert not hasattr(TEGroupedMLP.__init__, "__wrapped__")
 
 
 # -- one MLP: the fused operator against megatron-core's own SwiGLU ------------------------------------

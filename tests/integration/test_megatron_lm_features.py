@@ -376,6 +376,8 @@ def megatron_lm_arguments():
     (["--transformer-impl", "transformer_engine", "--tp-comm-overlap"],
      "Megatron without Transformer Engine cannot run with --tp-comm-overlap True"),
     (["--hybrid-override-pattern", "M*-"], "has Mamba layers (M), whose megatron-core module needs mamba_ssm"),
+    (["--hybrid-override-pattern", "*E", "--disable-bias-linear"],
+     "has MoE layers (E), which megatron-core's hybrid specs build as grouped experts: grouped experts"),
     (["--multi-latent-attention", "--position-embedding-type", "alibi"],
      "--position-embedding-type alibi cannot run with --multi-latent-attention True"),
 ])
@@ -510,14 +512,51 @@ def test_moe_with_pipeline_context_and_tensor_parallelism(launcher, layout):
     assert all(n > 0 for n in calls.values()), calls
 
 
-def test_moe_grouped_gemm_without_transformer_engine_fails_in_validate_args(megatron_lm_arguments, monkeypatch):
-    """Refused before Megatron-LM's own validation asks the CUDA compute capability for grouped GEMM."""
+#: ascendspeed's grouped GEMM, reached only through --moe-grouped-gemm (TE's grouped linears' stand-ins).
+GROUPED_LINEAR_OP = "ascendspeed.ops.grouped_linear:grouped_linear"
+
+
+def test_moe_grouped_gemm_expert_parallel_two_processes(launcher):
+    """--moe-grouped-gemm without Transformer Engine (before: "Found no NVIDIA driver" in validate_args's
+    compute-capability check): megatron-core's TEGroupedMLP on ascendspeed's grouped linears, expert parallel 2
+    with the alltoall dispatcher, fused permutation, and the fused SwiGLU inside the grouped experts (biased:
+    Megatron's default, so the bias-dropout fusion is off as TEGroupedMLP requires)."""
+    flags = [*ALLTOALL_EP2, "--moe-grouped-gemm", "--transformer-impl", "transformer_engine",
+             "--no-bias-dropout-fusion", "--swiglu", "--use-fused-swiglu", "--moe-permute-fusion"]
+    _, calls, _ = _checked_run(launcher, 2, flags, "fused_swiglu, moe, moe_permute_fusion",
+                               [GROUPED_LINEAR_OP, SWIGLU_OP])
+    for rank in range(2):
+        # per MoE layer forward: one grouped linear per expert linear (2), one SwiGLU for all local experts
+        assert calls[rank, SWIGLU_OP] > 0 and calls[rank, GROUPED_LINEAR_OP] == 2 * calls[rank, SWIGLU_OP], calls
+
+
+def test_hybrid_moe_layers(launcher):
+    """Megatron-LM's hybrid model with MoE layers (E): its specs build them as grouped experts (TEGroupedMLP),
+    here on ascendspeed's grouped linears; expert parallel 2 over gloo with the alltoall dispatcher."""
+    script, spec = _hybrid_job()
+    if script != "pretrain_hybrid.py":
+        pytest.skip("MoE layers (E) in hybrid patterns come with megatron-core 0.18's HybridModel")
+    flags = [*MOE, *spec, "*E*E", "--num-layers", "4", "--expert-model-parallel-size", "2",
+             "--moe-token-dispatcher-type", "alltoall", "--no-bias-dropout-fusion", "--swiglu", "--use-fused-swiglu"]
+    _, calls, _ = _checked_run(launcher, 2, flags, "fused_swiglu, moe", [GROUPED_LINEAR_OP], script)
+    assert all(n > 0 for n in calls.values()), calls
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-grouped-gemm", "--transformer-impl", "local"],
+     "--moe-grouped-gemm with --transformer-impl local would not run grouped experts"),
+    (["--moe-grouped-gemm", "--transformer-impl", "transformer_engine"],
+     "--moe-grouped-gemm: grouped experts (megatron-core's TEGroupedMLP) with biased linear layers cannot use the "
+     "bias-dropout fusion: pass --no-bias-dropout-fusion, or --disable-bias-linear"),
+    (["--moe-grouped-gemm", "--transformer-impl", "transformer_engine", "--disable-bias-linear"],
+     "fuse the bias into SwiGLU or quick-GeGLU only: pass --no-bias-gelu-fusion (or --swiglu)"),
+])
+def test_moe_grouped_gemm_combinations_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
     from ascendspeed.features import FeatureArgumentError
 
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, "--moe-grouped-gemm"])
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, *flags])
     args = megatron_lm_arguments.parse_args()
-    with pytest.raises(FeatureArgumentError, match="cannot run with --moe-grouped-gemm True: grouped-GEMM experts "
-                                                   "are TE's grouped linears"):
+    with pytest.raises(FeatureArgumentError, match=re.escape(message)):
         megatron_lm_arguments.validate_args(args, {})
 
 

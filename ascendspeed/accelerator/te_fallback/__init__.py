@@ -13,13 +13,16 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 ``TERowParallelLinear`` -> ``ColumnParallelLinear`` / ``RowParallelLinear``, ``TELayerNormColumnParallelLinear``
 -> a norm followed by ``ColumnParallelLinear`` (parameters named as TE names them: ``layer_norm_weight``,
 ``layer_norm_bias``), ``TEDotProductAttention`` -> ``DotProductAttention`` with separate key and value head sizes
-(so ALiBi, fused RoPE and fused SwiGLU, which patch megatron-core's local classes, apply on these paths too).
+(so ALiBi, fused RoPE and fused SwiGLU, which patch megatron-core's local classes, apply on these paths too),
+``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` -> ascendspeed's grouped linears
+(``grouped_linear.py``, the ``grouped_linear`` operator), so ``--moe-grouped-gemm`` builds megatron-core's
+``TEGroupedMLP``.
 
 ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
 MLA up projections) off Transformer Engine's fp8 state, which it asked for even with fp8 off.
 
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
-ops, grouped GEMM experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
+ops, the legacy grouped_gemm experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
 """
 from __future__ import annotations
 

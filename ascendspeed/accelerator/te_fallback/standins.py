@@ -16,6 +16,7 @@ import importlib
 from ascendspeed.patching import ABSENT, Patch, describe_signature, replace
 
 _MODULES = "ascendspeed.accelerator.te_fallback.modules"
+_GROUPED = "ascendspeed.accelerator.te_fallback.grouped_linear"
 #: What ``describe_signature`` says of a name megatron-core sets to None where TE is absent.
 _NONE = describe_signature(None)
 
@@ -33,9 +34,11 @@ class _StandInType(type):
 
 
 class _StandIn(metaclass=_StandInType):
-    #: Name of the builder (a class or a function) in ``modules.py``.
+    #: The module that defines the builder.
+    module = _MODULES
+    #: Name of the builder (a class or a function) in ``module``.
     builder = ""
-    #: Name of the class in ``modules.py`` whose instances the builder returns ("": the builder is that class).
+    #: Name of the class in ``module`` whose instances the builder returns ("": the builder is that class).
     local: "str | None" = ""
 
     @classmethod
@@ -43,11 +46,11 @@ class _StandIn(metaclass=_StandInType):
         """The class of what the stand-in builds (None: several, e.g. a torch LayerNorm or RMSNorm)."""
         if cls.local is None:
             return None
-        return getattr(importlib.import_module(_MODULES), cls.local or cls.builder)
+        return getattr(importlib.import_module(cls.module), cls.local or cls.builder)
 
     def __new__(cls, *args, **kwargs):
         # The builder has the upstream constructor's parameters: a wrong call fails there, naming them.
-        return getattr(importlib.import_module(_MODULES), cls.builder)(*args, **kwargs)
+        return getattr(importlib.import_module(cls.module), cls.builder)(*args, **kwargs)
 
 
 class TENorm(_StandIn):
@@ -80,6 +83,20 @@ class TEDotProductAttention(_StandIn):
     builder = "LocalTEDotProductAttention"
 
 
+class TEColumnParallelGroupedLinear(_StandIn):
+    """``TEColumnParallelGroupedLinear(num_gemms, input_size, output_size, *, ...)``: the grouped experts' fc1."""
+
+    module = _GROUPED
+    builder = "LocalTEColumnParallelGroupedLinear"
+
+
+class TERowParallelGroupedLinear(_StandIn):
+    """``TERowParallelGroupedLinear(num_gemms, input_size, output_size, *, ...)``: the grouped experts' fc2."""
+
+    module = _GROUPED
+    builder = "LocalTERowParallelGroupedLinear"
+
+
 class TESpecProvider(_StandIn):
     """gpt_layer_specs' ``TESpecProvider()``: megatron-core's provider, the q/k norm a ``TENorm`` too."""
 
@@ -87,7 +104,7 @@ class TESpecProvider(_StandIn):
 
 
 for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TEColumnParallelLinear, TERowParallelLinear,
-                  TEDotProductAttention, TESpecProvider):
+                  TEDotProductAttention, TEColumnParallelGroupedLinear, TERowParallelGroupedLinear, TESpecProvider):
     _stand_in.__module__ = __name__
 
 
@@ -110,6 +127,7 @@ def _name(name: str) -> str:
 def patches() -> list[Patch]:
     gpt = "TE fallback: gpt_layer_specs' TE spec provider and TENorm"
     mla = "TE fallback: multi-latent attention recognises TELinear and TEColumnParallelLinear"
+    grouped = "TE fallback: --moe-grouped-gemm experts on ascendspeed's grouped linears"
     return [
         replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
                 expect="(config, hidden_size, eps=1e-05)",
@@ -159,6 +177,12 @@ def patches() -> list[Patch]:
         replace("megatron.core.extensions.transformer_engine:TEDotProductAttention", TEDotProductAttention,
                 expect=f"({_ATTENTION}, num_splits=None, cp_comm_type='p2p', pg_collection=None)",
                 megatron=">=0.16", name=_name("TEDotProductAttention")),
+        # TE's grouped linears are None where TE is absent (megatron-core defines them only for TE >= 1.9); the
+        # spec provider, which picks TEGroupedMLP when they are not None, imports them from here afterwards.
+        replace("megatron.core.extensions.transformer_engine:TEColumnParallelGroupedLinear",
+                TEColumnParallelGroupedLinear, expect=_NONE, name=grouped),
+        replace("megatron.core.extensions.transformer_engine:TERowParallelGroupedLinear",
+                TERowParallelGroupedLinear, expect=_NONE, name=grouped),
         # gpt_layer_specs binds TESpecProvider and TENorm only where TE imports: before 0.17 the names are
         # missing, from 0.17 they are None.
         replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
@@ -167,6 +191,10 @@ def patches() -> list[Patch]:
         replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
                 expect=_NONE, megatron=">=0.17", name=gpt),
         replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
+        # moe_module_specs' get_moe_module_spec(use_te=True) (the hybrid specs' MoE layers) builds a
+        # TESpecProvider, bound before 0.16 only where TE imports.
+        replace("megatron.core.models.gpt.moe_module_specs:TESpecProvider", TESpecProvider, expect=ABSENT,
+                megatron="<0.16", name="TE fallback: moe_module_specs' TE spec provider"),
         # multi_latent_attention picks the down projections' parallel mode by comparing the spec's class with
         # its TELinear / TEColumnParallelLinear names: None from 0.17 where TE is absent (copies of the mocks,
         # swept, before).

@@ -27,9 +27,9 @@ TE_ONLY = (
     Unsupported("delay_wgrad_compute", "--delay-wgrad-compute", False, f"{_NO_TE}: drop the flag"),
     Unsupported("fused_residual_rmsnorm", "--fused-residual-rmsnorm", False,
                 f"the fused residual RMSNorm is a TE kernel; {_NO_TE}: drop the flag"),
-    Unsupported("moe_grouped_gemm", "--moe-grouped-gemm", False,
-                f"grouped-GEMM experts are TE's grouped linears; {_NO_TE}: drop the flag (experts then run "
-                "one after another)"),
+    Unsupported("moe_use_legacy_grouped_gemm", "--moe-use-legacy-grouped-gemm", False,
+                "the legacy GroupedMLP runs the grouped_gemm package's CUDA kernels: drop the flag "
+                "(--moe-grouped-gemm runs ascendspeed's grouped linears in TE's place)"),
 )
 
 
@@ -41,3 +41,37 @@ def check_arguments(args) -> None:
             "or local"
         )
     refuse_unsupported(args, TE_ONLY, "Megatron without Transformer Engine")
+    check_grouped_experts(args)
+
+
+def check_grouped_experts(args) -> None:
+    """``--moe-grouped-gemm`` builds megatron-core's ``TEGroupedMLP`` on TE's grouped linears, which ascendspeed
+    serves; of Megatron-LM's built-in specs only the transformer_engine one picks it (a ``--spec`` decides for
+    itself)."""
+    if not getattr(args, "moe_grouped_gemm", False):
+        return
+    if getattr(args, "transformer_impl", "local") == "local" and not getattr(args, "spec", None):
+        raise FeatureArgumentError(
+            "--moe-grouped-gemm with --transformer-impl local would not run grouped experts: megatron-core's "
+            "local spec builds SequentialMLP (from 0.17) or the legacy GroupedMLP on the grouped_gemm package's "
+            "CUDA kernels (before). Grouped experts are built by the transformer_engine spec, where ascendspeed's "
+            "grouped linears take the place of TE's: pass --transformer-impl transformer_engine"
+        )
+    check_grouped_expert_settings(args, "--moe-grouped-gemm")
+
+
+def check_grouped_expert_settings(args, what: str) -> None:
+    """What megatron-core's ``TEGroupedMLP`` refuses while it builds or runs (on every device), refused here
+    naming the flags: the bias-dropout fusion with biased linears, and a bias-activation fusion other than
+    SwiGLU's or quick-GeGLU's."""
+    if getattr(args, "add_bias_linear", False) and getattr(args, "bias_dropout_fusion", False):
+        raise FeatureArgumentError(
+            f"{what}: grouped experts (megatron-core's TEGroupedMLP) with biased linear layers cannot use the "
+            "bias-dropout fusion: pass --no-bias-dropout-fusion, or --disable-bias-linear"
+        )
+    gated = getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)
+    if not gated and getattr(args, "bias_gelu_fusion", False):
+        raise FeatureArgumentError(
+            f"{what}: grouped experts (megatron-core's TEGroupedMLP) fuse the bias into SwiGLU or quick-GeGLU "
+            "only: pass --no-bias-gelu-fusion (or --swiglu)"
+        )

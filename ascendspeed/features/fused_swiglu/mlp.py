@@ -3,8 +3,9 @@
 megatron-core's ``MLP.forward`` computes a SwiGLU one of two ways: with ``bias_activation_fusion`` it
 calls ``bias_swiglu_impl`` (bound by name in ``mlp.py``; experts called with routing probabilities call
 ``weighted_bias_swiglu_impl``), otherwise an unfused ``glu`` closure local to ``forward``. Two replacements
-cover every path: both functions become the fused operator, and MLPs that would take the unfused path with
-a plain SiLU gate are built with ``bias_activation_fusion`` on, in a copy of their config that only the MLP
+cover every path: both functions become the fused operator, and MLPs (and grouped experts, ``TEGroupedMLP``,
+whose fusion path calls ``weighted_bias_swiglu_impl``) that would take the unfused path with a plain SiLU gate
+are built with ``bias_activation_fusion`` on, in a copy of their config that only the MLP
 sees, so they reach those replacements. Nothing here reads global
 arguments; each MLP sees only its own config.
 """
@@ -70,6 +71,20 @@ def wrap_mlp_init(original):
     return __init__
 
 
+def wrap_grouped_mlp_init(original):
+    """Grouped experts (``TEGroupedMLP``, ``--moe-grouped-gemm``) on the unfused plain-SiLU gated path are
+    switched to their fusion path, which calls ``weighted_bias_swiglu_impl``: the fused operator."""
+
+    @functools.wraps(original)
+    def __init__(self, num_local_experts, config, submodules, *args, **kwargs):
+        original(self, num_local_experts, config, submodules, *args, **kwargs)
+        if runs_plain_gated_silu(config):
+            self.config = copy.copy(config)
+            self.config.bias_activation_fusion = True
+
+    return __init__
+
+
 def patches() -> list[Patch]:
     return [
         replace("megatron.core.transformer.mlp:bias_swiglu_impl", fused_bias_swiglu_impl,
@@ -86,4 +101,10 @@ def patches() -> list[Patch]:
              expect="(self, config, submodules, is_expert=False, input_size=None, ffn_hidden_size=None, "
                     "tp_group=None, name=None)",
              megatron=">=0.18", name="fused SwiGLU: unfused plain-SiLU gated MLPs take the fused path"),
+        wrap("megatron.core.transformer.moe.experts:TEGroupedMLP.__init__", wrap_grouped_mlp_init,
+             expect="(self, num_local_experts, config, submodules, pg_collection=None)", megatron="<0.18",
+             name="fused SwiGLU: unfused plain-SiLU gated grouped experts take the fused path"),
+        wrap("megatron.core.transformer.moe.experts:TEGroupedMLP.__init__", wrap_grouped_mlp_init,
+             expect="(self, num_local_experts, config, submodules, pg_collection=None, name=None)",
+             megatron=">=0.18", name="fused SwiGLU: unfused plain-SiLU gated grouped experts take the fused path"),
     ]

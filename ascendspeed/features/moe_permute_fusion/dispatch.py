@@ -74,18 +74,27 @@ def _moe_utils_function(name: str):
 
 
 # -- the fused branches of permute / unpermute / sort_chunks_by_idxs, without the HAVE_TE test ----------------
-def wrap_permute(original):
-    """megatron-core's ``permute``: three outputs before 0.17, five (pad offsets, tokens per expert) since."""
+def _wrap_fused_branch(original, fused_branch):
+    """``original`` with its arguments bound by name: ``fused=False`` runs it as called, ``fused=True`` runs
+    ``fused_branch(arguments)`` (defaults filled in)."""
     signature = inspect.signature(original)
-    five_outputs = "tokens_per_expert" in signature.parameters
 
     @functools.wraps(original)
-    def permute(*args, **kwargs):
+    def wrapper(*args, **kwargs):
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
-        a = call.arguments
-        if not a["fused"]:
+        if not call.arguments["fused"]:
             return original(*args, **kwargs)
+        return fused_branch(call.arguments)
+
+    return wrapper
+
+
+def wrap_permute(original):
+    """megatron-core's ``permute``: three outputs before 0.17, five (pad offsets, tokens per expert) since."""
+    five_outputs = "tokens_per_expert" in inspect.signature(original).parameters
+
+    def fused_branch(a):
         if a.get("align_size", 0) > 0 and a["probs"] is not None and a.get("tokens_per_expert") is not None:
             raise ValueError("permute: padding each expert's rows to align_size (fp8/fp4) is Transformer "
                              "Engine's fused_permute_and_pad_with_probs; ascendspeed's permutation pads nothing")
@@ -100,25 +109,17 @@ def wrap_permute(original):
             return permuted, permuted_probs, row_id_map, None, a["tokens_per_expert"]
         return permuted, permuted_probs, row_id_map
 
-    return permute
+    return _wrap_fused_branch(original, fused_branch)
 
 
 def wrap_unpermute(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def unpermute(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()
-        a = call.arguments
-        if not a["fused"]:
-            return original(*args, **kwargs)
+    def fused_branch(a):
         extra = {"pad_offsets": a["pad_offsets"]} if a.get("pad_offsets") is not None else {}
         return _moe_utils_function("fused_unpermute")(
             a["permuted_tokens"], a["sorted_indices"], merging_probs=a["probs"], restore_shape=a["restore_shape"],
             **extra)
 
-    return unpermute
+    return _wrap_fused_branch(original, fused_branch)
 
 
 def wrap_sort_chunks_by_idxs(original):
