@@ -36,14 +36,18 @@ class ProgressLog:
     interval_start: Optional[float] = None
     interval_losses: list = dataclasses.field(default_factory=list)
     interval_skipped: int = 0
+    #: Other per-iteration values by name (the MoE routers' auxiliary losses), averaged over the interval.
+    interval_extras: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.interval_start = self.started
 
-    def record(self, loss: float, skipped: bool = False) -> None:
+    def record(self, loss: float, skipped: bool = False, extras: Optional[dict] = None) -> None:
         """``skipped``: the update was dropped (fp16 overflow); the loss is still counted."""
         self.interval_losses.append(loss)
         self.interval_skipped += int(skipped)
+        for name, value in (extras or {}).items():
+            self.interval_extras.setdefault(name, []).append(value)
 
     def line(self, iteration: int, learning_rate: float, grad_norm: Optional[float],
              loss_scale: Optional[float] = None) -> dict:
@@ -63,12 +67,14 @@ class ProgressLog:
             "tokens_per_second": iterations * self.tokens_per_iteration / interval_time,
             "elapsed": elapsed,
             "eta": eta,
+            **{name: sum(values) / len(values) for name, values in self.interval_extras.items()},
         }
         width = len(str(self.train_iters))
         parts = [
             f"iteration {iteration:>{width}}/{self.train_iters}",
             f"loss {loss:.4f}",
             f"lr {learning_rate:.3e}",
+            *(f"{name} {stats[name]:.4f}" for name in self.interval_extras),
         ]
         if grad_norm is not None:
             parts.append(f"grad norm {grad_norm:.3f}")
@@ -85,4 +91,5 @@ class ProgressLog:
         self.interval_start = now
         self.interval_losses = []
         self.interval_skipped = 0
+        self.interval_extras = {}
         return stats

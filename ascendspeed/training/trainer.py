@@ -26,7 +26,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from ascendspeed.features import AppliedFeature, all_features, apply_features, disable_features
 from ascendspeed.patching import MANAGER
-from ascendspeed.training import checkpointing, memory, watchdog
+from ascendspeed.training import checkpointing, memory, moe_metrics, watchdog
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
@@ -402,7 +402,9 @@ class Trainer:
                 self.memory = memory.account(self.model, self.optimizer)
                 print_rank_0(self.memory.line())
             losses.append(loss)
-            log.record(loss, skipped=not updated)
+            aux_losses = moe_metrics.step_aux_losses(args.num_microbatches, args.num_layers) if args.num_experts \
+                else None
+            log.record(loss, skipped=not updated, extras=aux_losses)
             done = self.iteration == args.train_iters
             if self.iteration % args.log_interval == 0 or done:
                 loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None

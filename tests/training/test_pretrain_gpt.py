@@ -90,6 +90,7 @@ def _checkpoint_worker(rank, world_size, directory, extra):
         "resumed_lr": resumed.learning_rates,
         "resumed_start": resumed.start_iteration,
         "checkpoint": half.checkpoint,
+        "load_balancing_loss": straight.progress[-1].get("load_balancing_loss"),
     }
 
 
@@ -100,8 +101,13 @@ MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff
            "--use-distributed-optimizer"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"], MOE_EP2],
-                         ids=["fp32", "distopt-bf16", "moe-ep2"])
+#: MoE layers over 2 pipeline stages, the experts grouped (TEGroupedMLP on ascendspeed's grouped linears).
+MOE_PP2_GROUPED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+                   "--pipeline-model-parallel-size", "2", "--moe-grouped-gemm", "--no-bias-dropout-fusion"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--use-distributed-optimizer", "--bf16"], MOE_EP2, MOE_PP2_GROUPED],
+                         ids=["fp32", "distopt-bf16", "moe-ep2", "moe-pp2-grouped"])
 def test_resuming_from_a_checkpoint_continues_the_loss_curve(tmp_path, extra):
     results = run_distributed(_checkpoint_worker, 2, str(tmp_path), extra, timeout=240)
     result = results[0]
@@ -114,3 +120,8 @@ def test_resuming_from_a_checkpoint_continues_the_loss_curve(tmp_path, extra):
     assert result["resumed"] == pytest.approx(result["straight"][4:], rel=1e-6, abs=1e-6)
     assert result["resumed_lr"] == pytest.approx(result["straight_lr"][4:])
     assert results[1]["resumed"] == result["resumed"]
+    # the routers' load-balancing loss in the progress line (about 1 for balanced routing), MoE runs only
+    if "--num-experts" in extra:
+        assert 0.9 < result["load_balancing_loss"] < 2.0, result["load_balancing_loss"]
+    else:
+        assert result["load_balancing_loss"] is None
