@@ -1,6 +1,7 @@
 """Benchmark of grouped MoE experts on the CPU (not a test).
 
     python bench/grouped_experts.py [--json bench/results/grouped_experts.json] [--reps 5] [--threads 2]
+                                    [--warm-allocator]
 
 One run measures, on ``--threads`` threads, forward + backward of a MoE layer's local experts and of the
 whole layer (router, fused permutation, experts, unpermutation), at scaled-down shapes of three MoE models,
@@ -15,6 +16,8 @@ Both get the same weights and tokens. Reported: medians of ``--reps`` interleave
 first), the sequential / grouped time ratio, the matmul rate the grouped experts reach (GFLOP/s of the six
 products of forward and backward), and the activation memory each saves for backward (bytes of the tensors
 autograd keeps, relative to the tokens' bytes). The machine (CPU model, vector flags, load) is recorded.
+``--warm-allocator`` reruns with glibc keeping freed memory (bench/allocator.py): the grouped experts' large
+intermediate tensors are otherwise fresh pages, zeroed by the kernel on first touch, at every step.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from allocator import rerun_with_warm_allocator, warm_allocator_active  # noqa: E402
 from harness import machine  # noqa: E402
 
 #: name: (tokens, hidden, experts, top-k, expert ffn). Mixtral 8x7B: hidden 4096, 8 experts, top 2, ffn 14336;
@@ -155,7 +159,8 @@ def measure(torch, name, shape, dtype_name, reps):
 
 
 def report(result) -> str:
-    lines = [f"{result['benchmark']} on {result['machine']['cpu_model']}, {result['threads']} threads "
+    lines = [f"{result['benchmark']} on {result['machine']['cpu_model']}, {result['threads']} threads, "
+             f"{'warm' if result['warm_allocator'] else 'default'} allocator "
              f"(load {result['load_before']:.2f} -> {result['load_after']:.2f})",
              "model             dtype     experts top-k  experts: seq/grouped  layer: seq/grouped  grouped GFLOP/s  "
              "saved (grouped, seq)"]
@@ -176,7 +181,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the speed")
+    parser.add_argument("--warm-allocator", action="store_true",
+                        help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
     args = parser.parse_args()
+    if args.warm_allocator:
+        rerun_with_warm_allocator()
     torch = _setup()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -185,7 +194,8 @@ def main() -> None:
     models = QUICK_MODELS if args.quick else MODELS
     rows = [measure(torch, name, shape, dtype, args.reps) for dtype in DTYPES for name, shape in models.items()]
     result = {"benchmark": "MoE experts forward+backward: TEGroupedMLP on grouped_linear vs SequentialMLP",
-              "machine": machine(torch), "threads": args.threads, "reps": args.reps, "load_before": load_before,
+              "machine": machine(torch), "threads": args.threads, "reps": args.reps,
+              "warm_allocator": warm_allocator_active(), "load_before": load_before,
               "load_after": os.getloadavg()[0], "seconds": time.perf_counter() - started, "rows": rows}
     print(report(result))
     if args.json:
