@@ -7,8 +7,11 @@ Megatron spells "the device" three ways besides ``torch.cuda.current_device()``:
   and only their ``device`` keyword is rewritten: every other torch call keeps its C fast path
   (a global ``TorchFunctionMode`` would tax every op, and confuse ``torch.compile``); TorchScript still
   compiles calls to a wrapped factory as its ATen op;
-* ``tensor.cuda()`` (batches, state dicts, ``Module.cuda()``, which calls it per tensor): returns the
-  tensor on the CPU, as ``.cuda()`` returns a tensor already on the device unchanged;
+* ``tensor.cuda()`` (batches, state dicts): a copy on the CPU, as ``.cuda()`` of a host tensor is a copy on
+  the device. Code may change the result and expect its source untouched (Megatron's LLaVA test expands a
+  row with ``expand(...).cuda()`` and writes into each row); the same tensor back would write through to
+  the source, and to every row of the expansion. ``Module.cuda()`` returns the module as it is: its
+  parameters are already on the device (no copy of a whole model);
 * ``param.type() == 'torch.cuda.FloatTensor'`` (optimizer, distributed optimizer, clip_grads) selects fp32
   vs fp16 handling. A CPU tensor's ``type()`` keeps its true name (``'torch.FloatTensor'``) but returns it
   as a ``str`` that also compares equal to the ``torch.cuda.`` spelling, so those checks take the branch
@@ -59,8 +62,13 @@ def _redirect_device_keyword(factory):
 
 
 def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-    """``Tensor.cuda()``: the tensor on the CPU (the same tensor when it is already there)."""
-    return self.to(CPU, non_blocking=non_blocking, memory_format=memory_format)
+    """``Tensor.cuda()``: a copy on the CPU, as a host tensor's ``.cuda()`` is a copy on the device."""
+    return self.to(CPU, non_blocking=non_blocking, copy=True, memory_format=memory_format)
+
+
+def module_cuda(self, device=None):
+    """``Module.cuda()``: the module, its parameters and buffers already on the device (the CPU)."""
+    return self
 
 
 class AcceleratorTypeName(str):
@@ -112,5 +120,7 @@ def patches():
         wrap("torch:rand_like", redirect, expect=EXISTS, name="cpu device literal: torch.rand_like(device='cuda')"),
         wrap("torch:randn_like", redirect, expect=EXISTS, name="cpu device literal: torch.randn_like(device='cuda')"),
         replace("torch:Tensor.cuda", tensor_cuda, expect=EXISTS, name="cpu device literal: Tensor.cuda()"),
+        replace("torch.nn:Module.cuda", module_cuda, expect="(self, device=None)",
+                name="cpu device literal: Module.cuda() keeps the module"),
         wrap("torch:Tensor.type", _wrap_tensor_type, expect=EXISTS, name="cpu type names: Tensor.type()"),
     ]

@@ -34,12 +34,22 @@ def test_other_devices_are_left_alone():
     assert torch.zeros(2).device.type == "cpu"
 
 
-def test_dot_cuda_returns_the_cpu_tensor_unchanged():
+def test_dot_cuda_copies_as_it_copies_a_host_tensor_to_the_device():
     tensor = torch.ones(3)
-    assert tensor.cuda() is tensor
-    assert tensor.cuda(0, non_blocking=True) is tensor
-    module = torch.nn.Linear(2, 2).cuda()
-    assert module.weight.device.type == "cpu"
+    copy = tensor.cuda(0, non_blocking=True)
+    assert copy is not tensor and torch.equal(copy, tensor) and copy.device.type == "cpu"
+    copy += 1
+    assert torch.equal(tensor, torch.ones(3))
+    # Megatron's LLaVA test: rows of an expansion, each written after .cuda()
+    rows = torch.arange(4).expand(3, 4).cuda()
+    rows[0, 0] = 9
+    assert rows[:, 0].tolist() == [9, 0, 0]
+
+
+def test_module_cuda_keeps_the_module_and_its_parameters():
+    module = torch.nn.Linear(2, 2)
+    weight = module.weight
+    assert module.cuda() is module and module.weight is weight and module.weight.data_ptr() == weight.data_ptr()
 
 
 @pytest.mark.parametrize(

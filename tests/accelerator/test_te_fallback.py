@@ -190,3 +190,16 @@ def test_selective_recompute_of_the_layer_norms_runs_without_transformer_engine(
     torch.testing.assert_close(found[1], expected[1], rtol=1e-13, atol=1e-13)
     for name, grad in expected[2].items():
         torch.testing.assert_close(found[2][name], grad, rtol=1e-13, atol=1e-13)
+
+
+def test_clip_vit_model_builds_with_its_default_norms(megatron_world):
+    """megatron-core's CLIPViTModel (vision encoders, MIMO) defaults its norms to torch.nn.LayerNorm without TE,
+    which build_module cannot build ("unexpected keyword argument 'config'"): the TENorm stand-in serves them."""
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    model = CLIPViTModel(config, get_gpt_layer_with_transformer_engine_spec(), patch_dim=4, img_h=8, img_w=8)
+    out = model(torch.randn(2, 3, 8, 8))
+    assert isinstance(model.ln_pre, (torch.nn.LayerNorm, WrappedTorchNorm)) and model.ln_pre.weight.shape == (32,)
+    assert out.shape == (2, 4 + 1, 32) and torch.isfinite(out).all()

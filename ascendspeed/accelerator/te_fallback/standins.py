@@ -11,9 +11,12 @@ classes are mocks that keep the class body (``describe_signature`` reads their `
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
-from ascendspeed.patching import ABSENT, Patch, describe_signature, replace
+import torch
+
+from ascendspeed.patching import ABSENT, Patch, describe_signature, replace, wrap
 
 _MODULES = "ascendspeed.accelerator.te_fallback.modules"
 _GROUPED = "ascendspeed.accelerator.te_fallback.grouped_linear"
@@ -120,6 +123,20 @@ _ATTENTION = ("config, layer_number, attn_mask_type, attention_type, attention_d
               "k_channels=None, v_channels=None")
 
 
+def wrap_clip_vit_init(original):
+    """``CLIPViTModel``'s norms default to ``TENorm`` where TE imports and to ``torch.nn.LayerNorm`` elsewhere,
+    which ``build_module`` cannot build (it passes ``config=``): there the ``TENorm`` stand-in takes its place."""
+
+    @functools.wraps(original)
+    def __init__(self, transformer_config, transformer_layer_spec, ln_pre_impl=TENorm, ln_post_impl=TENorm,
+                 *args, **kwargs):
+        ln_pre_impl = TENorm if ln_pre_impl is torch.nn.LayerNorm else ln_pre_impl
+        ln_post_impl = TENorm if ln_post_impl is torch.nn.LayerNorm else ln_post_impl
+        original(self, transformer_config, transformer_layer_spec, ln_pre_impl, ln_post_impl, *args, **kwargs)
+
+    return __init__
+
+
 def _name(name: str) -> str:
     return f"TE fallback: replace {name} with megatron-core's local modules"
 
@@ -195,6 +212,13 @@ def patches() -> list[Patch]:
         # TESpecProvider, bound before 0.16 only where TE imports.
         replace("megatron.core.models.gpt.moe_module_specs:TESpecProvider", TESpecProvider, expect=ABSENT,
                 megatron="<0.16", name="TE fallback: moe_module_specs' TE spec provider"),
+        wrap("megatron.core.models.vision.clip_vit_model:CLIPViTModel.__init__", wrap_clip_vit_init,
+             expect="(self, transformer_config, transformer_layer_spec, "
+                    "ln_pre_impl=<class 'torch.nn.modules.normalization.LayerNorm'>, "
+                    "ln_post_impl=<class 'torch.nn.modules.normalization.LayerNorm'>, add_class_token=True, "
+                    "class_token_len=1, patch_dim=14, img_h=336, img_w=336, model_subtype='clip', "
+                    "pg_collection=None, vp_stage=None)",
+             name="TE fallback: CLIPViTModel's TE-less default norms are the TENorm stand-in"),
         # multi_latent_attention picks the down projections' parallel mode by comparing the spec's class with
         # its TELinear / TEColumnParallelLinear names: None from 0.17 where TE is absent (copies of the mocks,
         # swept, before).
