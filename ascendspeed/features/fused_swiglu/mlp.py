@@ -56,6 +56,14 @@ def fused_weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False)
     return out.view(*shape[:-1], shape[-1] // 2)
 
 
+def _take_the_fusion_path(module, config) -> None:
+    """A module built for the unfused plain-SiLU gated path gets a copy of its config with
+    ``bias_activation_fusion`` on, which only it sees: its forward then calls the fused operator."""
+    if runs_plain_gated_silu(config):
+        module.config = copy.copy(config)
+        module.config.bias_activation_fusion = True
+
+
 def wrap_mlp_init(original):
     """MLPs on the unfused plain-SiLU gated path, dense and experts, are switched to the fusion path, where
     ``bias_swiglu_impl`` (dense) and ``weighted_bias_swiglu_impl`` (experts with routing probabilities) are
@@ -64,9 +72,7 @@ def wrap_mlp_init(original):
     @functools.wraps(original)
     def __init__(self, config, submodules, is_expert=False, *args, **kwargs):
         original(self, config, submodules, is_expert, *args, **kwargs)
-        if runs_plain_gated_silu(config):
-            self.config = copy.copy(config)
-            self.config.bias_activation_fusion = True
+        _take_the_fusion_path(self, config)
 
     return __init__
 
@@ -78,9 +84,7 @@ def wrap_grouped_mlp_init(original):
     @functools.wraps(original)
     def __init__(self, num_local_experts, config, submodules, *args, **kwargs):
         original(self, num_local_experts, config, submodules, *args, **kwargs)
-        if runs_plain_gated_silu(config):
-            self.config = copy.copy(config)
-            self.config.bias_activation_fusion = True
+        _take_the_fusion_path(self, config)
 
     return __init__
 
