@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ascendspeed import accelerator
 from ascendspeed.ops.grouped_linear import grouped_linear
@@ -45,14 +46,6 @@ def _expert_groups(tp_group, pg_collection):
     return (parallel_state.get_expert_model_parallel_group(),
             tp_group if tp_group is not None else parallel_state.get_expert_tensor_parallel_group(),
             parallel_state.get_expert_data_parallel_group())
-
-
-def _size(group) -> int:
-    return 1 if group is None else torch.distributed.get_world_size(group)
-
-
-def _rank(group) -> int:
-    return 0 if group is None else torch.distributed.get_rank(group)
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +79,7 @@ class LocalTEGroupedLinear(torch.nn.Module):
         self.use_bias = bias
         self.skip_bias_add = skip_bias_add
         self._ep_group, self._tp_group, self._edp_group = _expert_groups(tp_group, pg_collection)
-        tp_size, tp_rank = _size(self._tp_group), _rank(self._tp_group)
+        tp_size, tp_rank = get_pg_size(self._tp_group), get_pg_rank(self._tp_group)
         self.partition_dim = 0 if parallel_mode == "column" else 1
         self.in_features = input_size // tp_size if parallel_mode == "row" else input_size
         self.out_features = output_size // tp_size if parallel_mode == "column" else output_size
@@ -158,8 +151,8 @@ class LocalTEGroupedLinear(torch.nn.Module):
             if self.parallel_mode == "column":
                 tp_axis[f"{g}.bias"] = 0
         singleton_local_shards = metadata.get("singleton_local_shards", False)
-        first_expert = _rank(self._ep_group) * self.num_gemms
-        num_experts = _size(self._ep_group) * self.num_gemms
+        first_expert = get_pg_rank(self._ep_group) * self.num_gemms
+        num_experts = get_pg_size(self._ep_group) * self.num_gemms
         groups = {"tp_group": self._tp_group, "dp_cp_group": metadata.get("dp_cp_group")} \
             if _takes_process_groups() else {}
         sharded = {}
@@ -179,7 +172,7 @@ class LocalTEGroupedLinear(torch.nn.Module):
             if self.use_bias:
                 sharded[f"{prefix}bias{g}"] = expert_sd[f"{g}.bias"]
         # Experts are replicated over expert data parallelism, not over data parallelism.
-        edp_rank = _rank(self._edp_group)
+        edp_rank = get_pg_rank(self._edp_group)
         for entry in sharded.values():
             entry.replica_id = (*entry.replica_id[:2], edp_rank)
         return sharded
