@@ -1,4 +1,4 @@
-"""The MoE routers' auxiliary losses of one training step, as Megatron-LM's log shows them.
+"""The MoE routers' auxiliary losses of a logging interval, as Megatron-LM's log shows them.
 
 megatron-core's routers record each MoE layer's auxiliary losses (``load_balancing_loss``, ``z_loss``, ...;
 without their coefficients) into a tracker during the forward passes of a step, one value per layer summed over
@@ -26,9 +26,11 @@ def _tracked() -> dict:
             for name, entry in get_moe_metrics_tracker().metrics.items()}
 
 
-def step_aux_losses(num_microbatches: int, num_moe_layers: int) -> dict[str, float]:
-    """This step's auxiliary losses (mean over the MoE layers and micro-batches), the tracker then zeroed.
-    Every rank calls it after the step: the reductions are collectives."""
+def aux_losses(num_microbatches: int, num_moe_layers: int) -> dict[str, float]:
+    """The auxiliary losses the tracker summed since it was last zeroed, over ``num_microbatches`` micro-batches
+    (those of every step since then), as their mean per micro-batch and MoE layer; the tracker then zeroed.
+    Called once per logging interval (the reductions are linear: reducing the interval's sums once equals
+    averaging each step's), on every rank: the reductions are collectives."""
     losses = {}
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     for name, (values, reduce_group, avg_group, average_over_data_parallel) in sorted(_tracked().items()):

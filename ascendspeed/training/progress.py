@@ -36,22 +36,25 @@ class ProgressLog:
     interval_start: Optional[float] = None
     interval_losses: list = dataclasses.field(default_factory=list)
     interval_skipped: int = 0
-    #: Other per-iteration values by name (the MoE routers' auxiliary losses), averaged over the interval.
-    interval_extras: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.interval_start = self.started
 
-    def record(self, loss: float, skipped: bool = False, extras: Optional[dict] = None) -> None:
+    def record(self, loss: float, skipped: bool = False) -> None:
         """``skipped``: the update was dropped (fp16 overflow); the loss is still counted."""
         self.interval_losses.append(loss)
         self.interval_skipped += int(skipped)
-        for name, value in (extras or {}).items():
-            self.interval_extras.setdefault(name, []).append(value)
+
+    @property
+    def interval_iterations(self) -> int:
+        """Iterations recorded since the last line."""
+        return len(self.interval_losses)
 
     def line(self, iteration: int, learning_rate: float, grad_norm: Optional[float],
-             loss_scale: Optional[float] = None) -> dict:
-        """Close the interval; returns its statistics and prints the progress line on rank 0."""
+             loss_scale: Optional[float] = None, extras: Optional[dict] = None) -> dict:
+        """Close the interval; returns its statistics and prints the progress line on rank 0. ``extras``: other
+        interval means by name (the MoE routers' auxiliary losses), shown after the learning rate."""
+        extras = extras or {}
         now = time.perf_counter()
         iterations = len(self.interval_losses)
         interval_time = max(now - self.interval_start, 1e-9)
@@ -67,14 +70,14 @@ class ProgressLog:
             "tokens_per_second": iterations * self.tokens_per_iteration / interval_time,
             "elapsed": elapsed,
             "eta": eta,
-            **{name: sum(values) / len(values) for name, values in self.interval_extras.items()},
+            **extras,
         }
         width = len(str(self.train_iters))
         parts = [
             f"iteration {iteration:>{width}}/{self.train_iters}",
             f"loss {loss:.4f}",
             f"lr {learning_rate:.3e}",
-            *(f"{name} {stats[name]:.4f}" for name in self.interval_extras),
+            *(f"{name} {value:.4f}" for name, value in extras.items()),
         ]
         if grad_norm is not None:
             parts.append(f"grad norm {grad_norm:.3f}")
@@ -91,5 +94,4 @@ class ProgressLog:
         self.interval_start = now
         self.interval_losses = []
         self.interval_skipped = 0
-        self.interval_extras = {}
         return stats

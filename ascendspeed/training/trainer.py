@@ -402,13 +402,13 @@ class Trainer:
                 self.memory = memory.account(self.model, self.optimizer)
                 print_rank_0(self.memory.line())
             losses.append(loss)
-            aux_losses = moe_metrics.step_aux_losses(args.num_microbatches, args.num_layers) if args.num_experts \
-                else None
-            log.record(loss, skipped=not updated, extras=aux_losses)
+            log.record(loss, skipped=not updated)
             done = self.iteration == args.train_iters
             if self.iteration % args.log_interval == 0 or done:
                 loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None
-                progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale))
+                aux_losses = moe_metrics.aux_losses(args.num_microbatches * log.interval_iterations,
+                                                    args.num_layers) if args.num_experts else None
+                progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale, aux_losses))
                 for report in reports:
                     progress[-1][report.key] = report.close_interval(self.iteration)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and not done:
