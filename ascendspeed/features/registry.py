@@ -9,5 +9,6 @@ FEATURE_MODULES = (
     "ascendspeed.features.context_parallel",
     "ascendspeed.features.moe",
     "ascendspeed.features.moe_permute_fusion",
+    "ascendspeed.features.tp_comm_overlap",
     "ascendspeed.features.local_mla",  # last: its DotProductAttention.__init__ wrap takes MLA's extra arguments
 )

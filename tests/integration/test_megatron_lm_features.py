@@ -29,6 +29,8 @@ REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
 RMS_NORM_OP = "ascendspeed.ops.rms_norm:rms_norm"
 ROTARY_OP = "ascendspeed.ops.rotary:rotary_embedding"
 MLA_HEAD_SIZES = "ascendspeed.features.local_mla.attention:set_head_sizes"
+#: Called by every chunked linear of --use-ascend-coc, forward and backward.
+COC_CHUNKS = "ascendspeed.features.tp_comm_overlap.chunked:chunk_bounds"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
 #: micro-batch forward; backward runs inside its autograd function).
 CP_ATTENTION = "ascendspeed.features.context_parallel.megatron_attention:{}_attention"
@@ -192,13 +194,30 @@ def _losses(launcher, processes, flags):
     return [float(loss) for _, loss in LOSS.findall(output)]
 
 
-def test_sequence_parallel_local_spec_matches_tensor_parallel(launcher):
+@pytest.fixture(scope="module")
+def tensor_parallel_losses(launcher):
+    """The losses of plain TP 2 (``TP_COMPARABLE``), which the other tensor-parallel layouts must give."""
+    return _losses(launcher, 2, TP_COMPARABLE)
+
+
+def test_sequence_parallel_local_spec_matches_tensor_parallel(launcher, tensor_parallel_losses):
     """The command that failed before ascendspeed (megatron-core's torch norms assert "sequence parallel not
     supported"): TP 2 with --sequence-parallel on the local spec trains, on ascendspeed's norm, with the losses
     of TP 2 without it (Megatron's own LayerNorm)."""
-    reference = _losses(launcher, 2, TP_COMPARABLE)
     losses, _ = _train(launcher, 2, [*TP_COMPARABLE, "--sequence-parallel"], "local_norm", [])
-    assert losses == pytest.approx(reference, rel=1e-5)
+    assert losses == pytest.approx(tensor_parallel_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("layout", [["--sequence-parallel", "--coc-parallel-num", "4"], ["--coc-parallel-num", "2"]],
+                         ids=["sequence-parallel-4-chunks", "tensor-parallel-2-chunks"])
+def test_coc_matches_tensor_parallel(launcher, tensor_parallel_losses, layout):
+    """--use-ascend-coc with TP 2, with and without sequence parallelism: the chunked linears ran on every rank
+    and the losses are plain TP 2's."""
+    flags = [*TP_COMPARABLE, "--use-ascend-coc", *layout]
+    feature = "local_norm, tp_comm_overlap" if "--sequence-parallel" in layout else "tp_comm_overlap"
+    losses, calls = _train(launcher, 2, flags, feature, [COC_CHUNKS])
+    assert losses == pytest.approx(tensor_parallel_losses, rel=1e-5)
+    assert all(n > 0 for n in calls.values()), calls
 
 
 def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher):

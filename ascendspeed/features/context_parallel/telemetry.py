@@ -12,20 +12,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import torch
 import torch.distributed as dist
 
 from ascendspeed.features.base import FeatureTelemetry
-
-
-def covered_seconds(intervals) -> float:
-    """Seconds covered by the union of ``(start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+from ascendspeed.features.timing import covered_seconds, print_on_rank_0, sum_over_ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +125,7 @@ class RingOverlapReport(FeatureTelemetry):
         local, self.interval = self.interval, RingOverlap()
         self.total = self.total + local
         interval = _over_ranks(local)
-        _print_on_rank_0(f"[cp-ring] iteration {iteration} | {interval.format()}")
+        print_on_rank_0(f"[cp-ring] iteration {iteration} | {interval.format()}")
         return interval.summary()
 
     def close_run(self) -> RingOverlap:
@@ -143,21 +133,11 @@ class RingOverlapReport(FeatureTelemetry):
         self.total, self.interval = self.total + self.interval, RingOverlap()
         total = _over_ranks(self.total)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        _print_on_rank_0(f"context-parallel ring over the run's training steps, all {world} ranks: {total.format()}")
+        print_on_rank_0(f"context-parallel ring over the run's training steps, all {world} ranks: {total.format()}")
         return total
 
 
 def _over_ranks(overlap: RingOverlap) -> RingOverlap:
-    from ascendspeed.accelerator import current_device
-
-    fields = [overlap.hops, overlap.sent_bytes, overlap.compute_s, overlap.communication_s, overlap.exposed_s]
-    packed = torch.tensor(fields, dtype=torch.float64, device=current_device())
-    if dist.is_initialized():
-        dist.all_reduce(packed)
-    hops, sent_bytes, compute_s, communication_s, exposed_s = packed.tolist()
+    hops, sent_bytes, compute_s, communication_s, exposed_s = sum_over_ranks(
+        [overlap.hops, overlap.sent_bytes, overlap.compute_s, overlap.communication_s, overlap.exposed_s])
     return RingOverlap(int(hops), int(sent_bytes), compute_s, communication_s, exposed_s)
-
-
-def _print_on_rank_0(line: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)

@@ -1,0 +1,111 @@
+"""The patches: megatron-core's tensor-parallel linears run their GEMM and collective chunk by chunk (CoC), or
+as one fused NPU kernel (MC2), wherever the layer's communication is one of the four the kernels implement.
+
+Both patches wrap: a layer they do not serve (a frozen weight, expert layers with explicit expert
+communication, deferred embedding weight gradients, a tensor-parallel group of one, CPU offloading of
+activations, megatron-core 0.19's GTP re-materialisation) keeps megatron-core's own code.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from ascendspeed.features.tp_comm_overlap import chunked, mc2
+from ascendspeed.features.tp_comm_overlap.collectives import TpGroup
+from ascendspeed.features.tp_comm_overlap.settings import TpCommOverlapSettings
+from ascendspeed.patching import Patch, wrap
+
+_GROUP_ATTRIBUTE = "_ascendspeed_tp_comm_group"
+
+
+def _tp_group(layer: torch.nn.Module, group, settings: TpCommOverlapSettings) -> Optional[TpGroup]:
+    """The layer's tensor-parallel group (cached on the layer), or None for a group of one rank."""
+    cached = getattr(layer, _GROUP_ATTRIBUTE, None)
+    if cached is None or cached.group is not group:
+        cached = TpGroup.of(group, settings.recorder)
+        setattr(layer, _GROUP_ATTRIBUTE, cached)
+    return cached if cached.size > 1 else None
+
+
+def _main_grad(weight: torch.Tensor, gradient_accumulation_fusion: bool) -> Optional[torch.Tensor]:
+    return weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
+
+
+def _offloading_activations(layer: torch.nn.Module) -> bool:
+    context = getattr(layer.config, "_cpu_offloading_context", None)
+    return context is not None and bool(getattr(context, "inside_context", False))
+
+
+def wrap_column_parallel_forward_impl(settings: TpCommOverlapSettings) -> Callable:
+    """``ColumnParallelLinear._forward_impl`` (the linear and its collectives; megatron-core calls it with
+    keywords only): all-gather -> GEMM with sequence parallelism, GEMM with the input gradient all-reduced
+    without."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            sequence_parallel = kwargs.get("sequence_parallel", False)
+            allreduce_dgrad = kwargs.get("allreduce_dgrad", False)
+            served = (
+                not args and weight.requires_grad and (sequence_parallel or allreduce_dgrad)
+                and kwargs.get("grad_output_buffer") is None and kwargs.get("gtp_remat_size", 1) in (None, 1)
+                and not _offloading_activations(self)
+            )
+            group = _tp_group(self, kwargs.get("tp_group") or self.tp_group, settings) if served else None
+            if group is None:
+                return original(self, input, weight, *args, **kwargs)
+            bias = kwargs.get("bias")
+            main_grad = _main_grad(weight, kwargs.get("gradient_accumulation_fusion", False))
+            if not sequence_parallel:
+                return chunked.MatmulAllReduceInputGrad.apply(input, weight, bias, group, settings.chunks, main_grad)
+            if settings.mc2:
+                return mc2.AllGatherMatmul.apply(input, weight, bias, group)
+            return chunked.AllGatherMatmul.apply(input, weight, bias, group, settings.chunks, main_grad)
+
+        return _forward_impl
+
+    return factory
+
+
+def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
+    """``RowParallelLinear.forward``: GEMM -> reduce-scatter with sequence parallelism, GEMM -> all-reduce
+    without; the bias is added after the reduction, as megatron-core adds it."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def forward(self, input_):
+            served = (
+                self.input_is_parallel and not self.explicit_expert_comm and self.weight.requires_grad
+                and getattr(self, "gtp_remat_size", 1) == 1 and not _offloading_activations(self)
+            )
+            group = _tp_group(self, self.tp_group, settings) if served else None
+            if group is None:
+                return original(self, input_)
+            main_grad = _main_grad(self.weight, self.gradient_accumulation_fusion)
+            if not self.sequence_parallel:
+                output = chunked.MatmulAllReduce.apply(input_, self.weight, group, settings.chunks, main_grad)
+            elif settings.mc2:
+                output = mc2.MatmulReduceScatter.apply(input_, self.weight, group)
+            else:
+                output = chunked.MatmulReduceScatter.apply(input_, self.weight, group, settings.chunks, main_grad)
+            if self.skip_bias_add:
+                return output, self.bias
+            return (output + self.bias if self.bias is not None else output), None
+
+        return forward
+
+    return factory
+
+
+def patches(settings: TpCommOverlapSettings) -> list[Patch]:
+    kind = "MC2" if settings.mc2 else f"CoC, {settings.chunks} chunks"
+    return [
+        wrap("megatron.core.tensor_parallel.layers:ColumnParallelLinear._forward_impl",
+             wrap_column_parallel_forward_impl(settings), expect="(self, input, weight, *args, **kwargs)",
+             name=f"tp comm overlap: wrap ColumnParallelLinear._forward_impl, all-gather -> GEMM ({kind})"),
+        wrap("megatron.core.tensor_parallel.layers:RowParallelLinear.forward", wrap_row_parallel_forward(settings),
+             expect="(self, input_)",
+             name=f"tp comm overlap: wrap RowParallelLinear.forward, GEMM -> reduce-scatter ({kind})"),
+    ]

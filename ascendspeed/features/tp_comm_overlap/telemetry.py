@@ -1,0 +1,134 @@
+"""How much of the tensor-parallel communication the chunked GEMMs hid (``--log-tp-comm-overlap``).
+
+Every collective a chunked linear issues is recorded from the moment it is issued until it completes, and
+every wait for one adds the time the rank was blocked (the exposed part). ``hidden_fraction = 1 - exposed /
+communication``, where communication is the wall time during which at least one collective was in flight.
+Completion comes from the collective's future where the backend gives one (gloo's all-gather and
+all-reduce do, and complete it on gloo's thread), else from the end of the wait. Host clocks only: on a
+device (HCCL, NCCL) a collective completes at enqueue time, so there the numbers describe the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch.distributed as dist
+
+from ascendspeed.features.base import FeatureTelemetry
+from ascendspeed.features.timing import covered_seconds, print_on_rank_0, sum_over_ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class TpCommOverlap:
+    """Totals of one or more measurement windows (windows add up with ``+``)."""
+
+    collectives: int = 0
+    communicated_bytes: int = 0
+    communication_s: float = 0.0
+    exposed_s: float = 0.0
+
+    @property
+    def hidden_fraction(self) -> float:
+        if self.communication_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.exposed_s / self.communication_s)
+
+    def __add__(self, other: "TpCommOverlap") -> "TpCommOverlap":
+        return TpCommOverlap(*(getattr(self, field.name) + getattr(other, field.name)
+                               for field in dataclasses.fields(self)))
+
+    def format(self) -> str:
+        return (f"collectives {self.collectives} | {self.communicated_bytes / 2**20:.1f} MiB | "
+                f"tp comm {self.communication_s * 1e3:.2f} ms | exposed {self.exposed_s * 1e3:.2f} ms | "
+                f"hidden {self.hidden_fraction * 100:.1f} %")
+
+    def summary(self) -> dict:
+        return {
+            "collectives": self.collectives,
+            "communicated_MB": self.communicated_bytes / 2**20,
+            "communication_s": self.communication_s,
+            "exposed_s": self.exposed_s,
+            "hidden_fraction": self.hidden_fraction,
+        }
+
+
+class TpCommRecorder:
+    """The collectives of the chunked linears since the last ``take``: in-flight intervals, blocked time."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._intervals = []
+        self._exposed = 0.0
+        self._bytes = 0
+
+    def issued(self, work, nbytes: int) -> list:
+        """Start timing ``work``; the returned slot gets its completion time (future callback or wait)."""
+        slot = [time.perf_counter(), None]
+        with self._lock:
+            self._intervals.append(slot)
+            self._bytes += nbytes
+        future = work.get_future() if hasattr(work, "get_future") else None
+        if future is not None:
+            try:
+                future.add_done_callback(lambda _: slot.__setitem__(1, slot[1] or time.perf_counter()))
+            except RuntimeError:  # a backend whose work has no future
+                pass
+        return slot
+
+    def waited(self, slot: list, started: float) -> None:
+        finished = time.perf_counter()
+        with self._lock:
+            self._exposed += finished - started
+            if slot[1] is None:
+                slot[1] = finished
+
+    def take(self) -> TpCommOverlap:
+        """The totals of the window that ends now; a new window starts."""
+        with self._lock:
+            intervals = [(start, end) for start, end in self._intervals if end is not None]
+            totals = TpCommOverlap(len(intervals), self._bytes, covered_seconds(intervals), self._exposed)
+            self._reset()
+        return totals
+
+
+class TpCommOverlapReport(FeatureTelemetry):
+    """``--log-tp-comm-overlap`` in the pretraining entry: the chunked linears' communication time, its
+    exposed part and the hidden fraction per logging interval and over the run, summed over all ranks."""
+
+    key = "tp_comm"
+
+    def __init__(self, recorder: TpCommRecorder):
+        self.recorder = recorder
+        self.interval = TpCommOverlap()
+        self.total = TpCommOverlap()
+
+    def step_started(self) -> None:
+        self.recorder.take()  # what ran between steps (validation) is not the step's
+
+    def step_finished(self) -> None:
+        self.interval = self.interval + self.recorder.take()
+
+    def close_interval(self, iteration: int) -> dict:
+        local, self.interval = self.interval, TpCommOverlap()
+        self.total = self.total + local
+        interval = _over_ranks(local)
+        print_on_rank_0(f"[tp-comm] iteration {iteration} | {interval.format()}")
+        return interval.summary()
+
+    def close_run(self) -> dict:
+        self.total, self.interval = self.total + self.interval, TpCommOverlap()
+        total = _over_ranks(self.total)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        print_on_rank_0(f"tensor-parallel communication over the run's training steps, all {world} ranks: "
+                         f"{total.format()}")
+        return total.summary()
+
+
+def _over_ranks(overlap: TpCommOverlap) -> TpCommOverlap:
+    collectives, communicated_bytes, communication_s, exposed_s = sum_over_ranks(
+        [overlap.collectives, overlap.communicated_bytes, overlap.communication_s, overlap.exposed_s])
+    return TpCommOverlap(int(collectives), int(communicated_bytes), communication_s, exposed_s)
