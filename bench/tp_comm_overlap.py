@@ -65,7 +65,7 @@ def worker(options) -> None:
 
     args = parse_args(model_flags(options), world_size=2)
     (applied,) = [feature for feature in apply_features(args) if feature.name == "tp_comm_overlap"]
-    recorder = applied.state
+    recorder = applied.state.recorder
     state = initialize_parallel(args)
     trainer = Trainer(args, state.device)
     modes = [PLAIN] + [str(chunks) for chunks in options.chunks]
@@ -76,7 +76,7 @@ def worker(options) -> None:
             MANAGER.revert(applied.name)
             if mode != PLAIN:
                 settings = dataclasses.replace(applied.settings, chunks=int(mode))
-                MANAGER.apply(applied.name, applied.feature.patches(settings, recorder))
+                MANAGER.apply(applied.name, applied.feature.patches(settings, applied.state))
             dist.barrier()
             recorder.take()
             start = time.perf_counter()

@@ -6,7 +6,9 @@ into the chunks (and has fewer rows than chunks), and against megatron-core's ow
 same dtype (fp32: 1e-6; not always to the bit: the BLAS blocks a GEMM of fewer rows differently, and a weight
 gradient summed over chunks adds in another order). Then a tiny GPT with TP2, with and without sequence parallelism, local and TE spec, trains one
 step with CoC at every ``--coc-parallel-num`` and matches plain TP2 in loss and every gradient (1e-6), while
-the telemetry counts the collectives the chunks issued.
+the telemetry counts the collectives the chunks issued. Last, full recompute with TP2 + SP and dropout at
+``--optimize-recomp-communication-level`` 1 and 2, with and without CoC, gives plain full recompute's losses
+and gradients, and the counted collectives drop by exactly the ones each level leaves out.
 """
 import argparse
 
@@ -172,7 +174,7 @@ def _gpt_cases(rank, world):
             chunks_ = mu.build_model_chunks(config, shape, layer_spec=spec)
             ddp = mu.wrap_ddp(chunks_)
             losses = torch.stack(mu.run_forward_backward(ddp, batch, shape))
-            recorders = [feature.state for feature in applied_features() if feature.name == "tp_comm_overlap"]
+            recorders = [feature.state.recorder for feature in applied_features() if feature.name == "tp_comm_overlap"]
             runs[chunks] = {
                 "losses": losses,
                 "grads": {name: param.main_grad.clone() for name, param in mu.named_parameters_full(ddp)},
@@ -193,8 +195,50 @@ def _gpt_cases(rank, world):
     return results
 
 
+#: name -> (CoC chunks or None, --optimize-recomp-communication-level)
+RECOMPUTE_RUNS = {
+    "plain": (None, 0), "level1": (None, 1), "level2": (None, 2),
+    "coc": (2, 0), "coc_level1": (2, 1), "coc_level2": (2, 2),
+}
+RECOMPUTE_SHAPE = dict(num_layers=4, recompute_num_layers=2, microbatches=2)
+
+
+def _recompute_cases(rank, world):
+    """Full recompute (uniform, two layers per checkpoint) with TP 2 + SP and dropout, each run of
+    ``RECOMPUTE_RUNS``: losses, gradients and the collectives the telemetry counted."""
+    from tests.helpers import megatron as mu
+
+    shape = mu.TinyGPT(num_layers=RECOMPUTE_SHAPE["num_layers"])
+    batch = mu.make_batch(shape, batch_size=RECOMPUTE_SHAPE["microbatches"] * shape.micro_batch_size)
+    runs = {}
+    for name, (chunks, level) in RECOMPUTE_RUNS.items():
+        flags = dict(optimize_recomp_communication_level=level, recompute_granularity="full" if level else None)
+        if chunks is not None:
+            flags.update(use_ascend_coc=True, coc_parallel_num=chunks, log_tp_comm_overlap=True)
+        disable_features()
+        enable_features(tensor_model_parallel_size=2, sequence_parallel=True, **flags)
+        mu.initialize_parallel(tp=2)
+        config = shape.config(sequence_parallel=True, hidden_dropout=0.1, recompute_granularity="full",
+                              recompute_method="uniform", recompute_num_layers=RECOMPUTE_SHAPE["recompute_num_layers"])
+        ddp = mu.wrap_ddp(mu.build_model_chunks(config, shape))
+        losses = torch.stack(mu.run_forward_backward(ddp, batch, shape))
+        states = [feature.state for feature in applied_features() if feature.name == "tp_comm_overlap"]
+        recorder = states[0].recorder if states else None
+        runs[name] = {"losses": losses,
+                      "grads": {n: p.main_grad.clone() for n, p in mu.named_parameters_full(ddp)},
+                      "collectives": recorder.take().collectives if recorder is not None else None}
+        mu.destroy_parallel()
+    disable_features()
+    plain = runs["plain"]
+    return {name: {"loss_error": mu.relative_error(run["losses"], plain["losses"]),
+                   "grad_error": max(mu.relative_error(g, plain["grads"][n]) for n, g in run["grads"].items()),
+                   "collectives": run["collectives"]}
+            for name, run in runs.items()}
+
+
 def _job(rank, world):
-    return {"operators": _operator_cases(rank, world), "gpt": _gpt_cases(rank, world)}
+    return {"operators": _operator_cases(rank, world), "gpt": _gpt_cases(rank, world),
+            "recompute": _recompute_cases(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +286,26 @@ def test_gpt_with_coc_equals_plain_tensor_parallel(job, case):
         assert counts[0] > 0 and counts == sorted(counts) and counts[-1] > counts[0], counts
 
 
+@pytest.mark.parametrize("run", [name for name in RECOMPUTE_RUNS if name != "plain"])
+def test_recompute_communication_levels_give_plain_full_recompute(job, run):
+    for rank, results in enumerate(job):
+        result = results["recompute"][run]
+        assert result["loss_error"] <= 1e-6 and result["grad_error"] <= 1e-6, f"rank {rank} {run}: {result}"
+
+
+def test_recompute_communication_levels_leave_out_collectives(job):
+    counts = {name: job[0]["recompute"][name]["collectives"] for name in ("coc", "coc_level1", "coc_level2")}
+    layers, per_checkpoint, microbatches = (RECOMPUTE_SHAPE[key] for key in
+                                            ("num_layers", "recompute_num_layers", "microbatches"))
+    chunks = RECOMPUTE_RUNS["coc"][0]
+    skipped = layers // per_checkpoint * microbatches  # one last reduction per checkpoint and micro-batch
+    # level 1: the skipped reduce-scatter's chunks forward and its chunked gathers backward, less the one
+    # gather of the gradient that stays
+    assert counts["coc"] - counts["coc_level1"] == skipped * (2 * chunks - 1), counts
+    # level 2: the backward re-gather (one per chunk) of both column-parallel linears of every layer
+    assert counts["coc_level1"] - counts["coc_level2"] == layers * 2 * chunks * microbatches, counts
+
+
 def _validate(**flags):
     from ascendspeed.features import default_arguments
 
@@ -262,6 +326,10 @@ def _validate(**flags):
     (dict(use_ascend_mc2=True, tensor_model_parallel_size=2), "add --sequence-parallel"),
     (dict(use_ascend_mc2=True, tensor_model_parallel_size=2, sequence_parallel=True),
      "use --use-ascend-coc, the portable equivalent"),
+    (dict(optimize_recomp_communication_level=1, tensor_model_parallel_size=2), "add --recompute-granularity full"),
+    (dict(optimize_recomp_communication_level=1, recompute_granularity="full"), "--tensor-model-parallel-size 1"),
+    (dict(optimize_recomp_communication_level=2, recompute_granularity="full", tensor_model_parallel_size=2),
+     "add --sequence-parallel or use level 1"),
 ])
 def test_invalid_combinations_are_refused_naming_the_flags(flags, message):
     with pytest.raises(FeatureArgumentError, match=message.replace("-", r"\-").replace("(", r"\(")):

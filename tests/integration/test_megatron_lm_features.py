@@ -208,14 +208,23 @@ def test_sequence_parallel_local_spec_matches_tensor_parallel(launcher, tensor_p
     assert losses == pytest.approx(tensor_parallel_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", [["--sequence-parallel", "--coc-parallel-num", "4"], ["--coc-parallel-num", "2"]],
-                         ids=["sequence-parallel-4-chunks", "tensor-parallel-2-chunks"])
-def test_coc_matches_tensor_parallel(launcher, tensor_parallel_losses, layout):
-    """--use-ascend-coc with TP 2, with and without sequence parallelism: the chunked linears ran on every rank
-    and the losses are plain TP 2's."""
-    flags = [*TP_COMPARABLE, "--use-ascend-coc", *layout]
-    feature = "local_norm, tp_comm_overlap" if "--sequence-parallel" in layout else "tp_comm_overlap"
-    losses, calls = _train(launcher, 2, flags, feature, [COC_CHUNKS])
+FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+#: Called where a recomputed forward leaves out its last reduction (--optimize-recomp-communication-level).
+SKIPPED_REDUCTION = "ascendspeed.features.tp_comm_overlap.recompute:partial_product_without_reduction"
+
+
+@pytest.mark.parametrize("flags, feature, count", [
+    (["--sequence-parallel", "--use-ascend-coc", "--coc-parallel-num", "4"], "local_norm, tp_comm_overlap",
+     COC_CHUNKS),
+    (["--use-ascend-coc", "--coc-parallel-num", "2"], "tp_comm_overlap", COC_CHUNKS),
+    (["--sequence-parallel", *FULL_RECOMPUTE, "--optimize-recomp-communication-level", "2"],
+     "local_norm, tp_comm_overlap", SKIPPED_REDUCTION),
+], ids=["coc-sequence-parallel-4-chunks", "coc-tensor-parallel-2-chunks", "recompute-communication-level-2"])
+def test_tensor_parallel_communication_features_match_tensor_parallel(launcher, tensor_parallel_losses, flags,
+                                                                     feature, count):
+    """--use-ascend-coc with TP 2, with and without sequence parallelism, and full recompute without its
+    redundant collectives: their code ran on every rank and the losses are plain TP 2's."""
+    losses, calls = _train(launcher, 2, [*TP_COMPARABLE, *flags], feature, [count])
     assert losses == pytest.approx(tensor_parallel_losses, rel=1e-5)
     assert all(n > 0 for n in calls.values()), calls
 

@@ -9,7 +9,8 @@ rows of the whole sequence in rank order.
 * ``AllGatherMatmul`` (column-parallel with sequence parallelism): forward gathers the input chunk by chunk
   into the GEMM; backward reduce-scatters the input gradient chunk by chunk behind the next chunk's GEMM and
   re-gathers the input (saving the gathered input would keep ``size`` times the activation) behind the input
-  gradient GEMMs for the weight gradient.
+  gradient GEMMs for the weight gradient, unless told to keep it (``keep_gathered``: a recomputed forward,
+  whose backward follows at once).
 * ``MatmulReduceScatter`` (row-parallel with sequence parallelism): forward reduce-scatters each chunk's
   partial product behind the next chunk's GEMM; backward gathers the output gradient chunk by chunk.
 * ``MatmulAllReduce`` (row-parallel without it): each chunk's partial product is all-reduced behind the next.
@@ -94,7 +95,7 @@ class AllGatherMatmul(torch.autograd.Function):
     """``all_gather(input) @ weight.T + bias`` for a column-parallel linear with sequence parallelism."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad):
+    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad, keep_gathered: bool = False):
         rows = input.size(0)
         bounds = chunk_bounds(rows, chunks)
         gathered = [input.new_empty((group.size, stop - start) + input.shape[1:]) for start, stop in bounds]
@@ -107,6 +108,7 @@ class AllGatherMatmul(torch.autograd.Function):
             blocks[:, start:stop] = _linear(buffer, weight, bias)
         ctx.save_for_backward(input, weight)
         ctx.group, ctx.bounds, ctx.main_grad, ctx.use_bias = group, bounds, main_grad, bias is not None
+        ctx.gathered = gathered if keep_gathered else None
         return output
 
     @staticmethod
@@ -115,8 +117,10 @@ class AllGatherMatmul(torch.autograd.Function):
         group, bounds = ctx.group, ctx.bounds
         grad_output = grad_output.view((group.size, input.size(0)) + grad_output.shape[1:])
         needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gathered, gathering = [], []
-        if needs_weight:
+        gathered, gathering = ctx.gathered or [], []
+        if needs_weight and ctx.gathered is not None:
+            gathering = [None] * len(bounds)
+        elif needs_weight:
             for start, stop in bounds:
                 buffer = input.new_empty((group.size, stop - start) + input.shape[1:])
                 gathered.append(buffer)
@@ -131,13 +135,15 @@ class AllGatherMatmul(torch.autograd.Function):
         if needs_weight:
             accumulated = WeightGradient(weight, ctx.main_grad)
             for buffer, (start, stop), collective in zip(gathered, bounds, gathering):
-                collective.wait()
+                if collective is not None:
+                    collective.wait()
                 accumulated.add(_rows(grad_output[:, start:stop]), _rows(buffer))
             grad_weight = accumulated.result()
         grad_bias = _bias_grad(grad_output, ctx.use_bias)
         for collective in scattering:
             collective.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        ctx.gathered = None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 class MatmulReduceScatter(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """The patches: megatron-core's tensor-parallel linears run their GEMM and collective chunk by chunk (CoC), or
-as one fused NPU kernel (MC2), wherever the layer's communication is one of the four the kernels implement.
+as one fused NPU kernel (MC2), wherever the layer's communication is one of the four the kernels implement;
+with ``--optimize-recomp-communication-level`` a recomputed forward skips its redundant collectives.
 
 Both patches wrap: a layer they do not serve (a frozen weight, expert layers with explicit expert
 communication, deferred embedding weight gradients, a tensor-parallel group of one, CPU offloading of
@@ -12,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ascendspeed.features.tp_comm_overlap import chunked, mc2
+from ascendspeed.features.tp_comm_overlap import chunked, mc2, recompute
 from ascendspeed.features.tp_comm_overlap.collectives import TpGroup
 from ascendspeed.features.tp_comm_overlap.settings import TpCommOverlapSettings
 from ascendspeed.patching import Patch, wrap
@@ -41,15 +42,18 @@ def _offloading_activations(layer: torch.nn.Module) -> bool:
 def wrap_column_parallel_forward_impl(settings: TpCommOverlapSettings) -> Callable:
     """``ColumnParallelLinear._forward_impl`` (the linear and its collectives; megatron-core calls it with
     keywords only): all-gather -> GEMM with sequence parallelism, GEMM with the input gradient all-reduced
-    without."""
+    without; in a recomputed forward at recompute level 2, the gathered input kept for backward."""
+    tracker = settings.recompute
 
     def factory(original):
         @functools.wraps(original)
         def _forward_impl(self, input, weight, *args, **kwargs):
             sequence_parallel = kwargs.get("sequence_parallel", False)
             allreduce_dgrad = kwargs.get("allreduce_dgrad", False)
+            keep_gathered = (settings.recompute_level >= 2 and sequence_parallel and tracker.recomputing)
             served = (
-                not args and weight.requires_grad and (sequence_parallel or allreduce_dgrad)
+                (settings.overlap or keep_gathered) and not args and weight.requires_grad
+                and (sequence_parallel or allreduce_dgrad)
                 and kwargs.get("grad_output_buffer") is None and kwargs.get("gtp_remat_size", 1) in (None, 1)
                 and not _offloading_activations(self)
             )
@@ -60,9 +64,10 @@ def wrap_column_parallel_forward_impl(settings: TpCommOverlapSettings) -> Callab
             main_grad = _main_grad(weight, kwargs.get("gradient_accumulation_fusion", False))
             if not sequence_parallel:
                 return chunked.MatmulAllReduceInputGrad.apply(input, weight, bias, group, settings.chunks, main_grad)
-            if settings.mc2:
+            if settings.mc2 and not keep_gathered:
                 return mc2.AllGatherMatmul.apply(input, weight, bias, group)
-            return chunked.AllGatherMatmul.apply(input, weight, bias, group, settings.chunks, main_grad)
+            chunks = settings.chunks if settings.overlap and not settings.mc2 else 1
+            return chunked.AllGatherMatmul.apply(input, weight, bias, group, chunks, main_grad, keep_gathered)
 
         return _forward_impl
 
@@ -71,7 +76,9 @@ def wrap_column_parallel_forward_impl(settings: TpCommOverlapSettings) -> Callab
 
 def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
     """``RowParallelLinear.forward``: GEMM -> reduce-scatter with sequence parallelism, GEMM -> all-reduce
-    without; the bias is added after the reduction, as megatron-core adds it."""
+    without; the bias is added after the reduction, as megatron-core adds it. With recompute level 1 or 2 the
+    recomputed forward's last reduction of a checkpointed chunk is skipped (``recompute``)."""
+    tracker = settings.recompute
 
     def factory(original):
         @functools.wraps(original)
@@ -84,7 +91,11 @@ def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
             if group is None:
                 return original(self, input_)
             main_grad = _main_grad(self.weight, self.gradient_accumulation_fusion)
-            if not self.sequence_parallel:
+            if tracker is not None and tracker.reduction_is_redundant():
+                output = recompute.partial_product_without_reduction(self, input_, group)
+            elif not settings.overlap:
+                return original(self, input_)
+            elif not self.sequence_parallel:
                 output = chunked.MatmulAllReduce.apply(input_, self.weight, group, settings.chunks, main_grad)
             elif settings.mc2:
                 output = mc2.MatmulReduceScatter.apply(input_, self.weight, group)
@@ -100,8 +111,8 @@ def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
 
 
 def patches(settings: TpCommOverlapSettings) -> list[Patch]:
-    kind = "MC2" if settings.mc2 else f"CoC, {settings.chunks} chunks"
-    return [
+    kind = "MC2" if settings.mc2 else f"CoC, {settings.chunks} chunks" if settings.overlap else "no overlap"
+    found = [
         wrap("megatron.core.tensor_parallel.layers:ColumnParallelLinear._forward_impl",
              wrap_column_parallel_forward_impl(settings), expect="(self, input, weight, *args, **kwargs)",
              name=f"tp comm overlap: wrap ColumnParallelLinear._forward_impl, all-gather -> GEMM ({kind})"),
@@ -109,3 +120,6 @@ def patches(settings: TpCommOverlapSettings) -> list[Patch]:
              expect="(self, input_)",
              name=f"tp comm overlap: wrap RowParallelLinear.forward, GEMM -> reduce-scatter ({kind})"),
     ]
+    if settings.recompute is not None:
+        found += recompute.patches(settings.recompute)
+    return found
