@@ -20,7 +20,8 @@ DEFAULT_CHUNKS = 2
 class TpCommOverlapFeature(Feature[TpCommOverlapSettings]):
     name = "tp_comm_overlap"
     example_flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-ascend-coc",
-                     "--coc-parallel-num", "4")
+                     "--coc-parallel-num", "4", "--recompute-granularity", "full",
+                     "--optimize-recomp-communication-level", "2")
     megatron_arguments = {
         "tensor_model_parallel_size": 1,
         "sequence_parallel": False,
