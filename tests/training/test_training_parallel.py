@@ -22,6 +22,9 @@ VALIDATION_WINDOWS = 64
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "tp2-sp-coc": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-ascend-coc",
+                   "--coc-parallel-num", "4"],
+    "tp2-coc": ["--tensor-model-parallel-size", "2", "--use-ascend-coc"],
     "pp2-vpp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-distopt-overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "5000"],
     "cp2": ["--context-parallel-size", "2"],
@@ -75,7 +78,7 @@ def _layouts_worker(rank, world_size, names):
     return results
 
 
-TWO_RANK_LAYOUTS = ["tp2", "tp2-sp", "pp2-vpp2", "dp2-distopt-overlap", "cp2", "cp2-ulysses"]
+TWO_RANK_LAYOUTS = ["tp2", "tp2-sp", "tp2-sp-coc", "tp2-coc", "pp2-vpp2", "dp2-distopt-overlap", "cp2", "cp2-ulysses"]
 
 
 @functools.cache
@@ -150,3 +153,45 @@ def test_ring_overlap_is_reported_per_interval_and_for_the_run():
     other_total, other_intervals, other_printed = results[1]
     assert other_total == total and other_intervals == intervals
     assert "[cp-ring]" not in other_printed
+
+
+TP_COMM_LINE = (r"^\[tp-comm\] iteration (\d+) \| collectives (\d+) \| [\d.]+ MiB \| tp comm [\d.]+ ms \| "
+                r"exposed [\d.]+ ms \| hidden ([\d.]+) %$")
+
+
+def _tp_comm_overlap_worker(rank, world_size):
+    import contextlib
+    import io
+
+    from ascendspeed.features import disable_features
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-ascend-coc", "--log-tp-comm-overlap",
+             "--train-iters", "4", "--log-interval", "2", "--eval-iters", "1", "--eval-interval", "2",
+             "--eval-seq-lengths", "32", "--split", "998,2"]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            result = train(parse_args([*BASE, *flags], world_size=world_size))
+    finally:
+        disable_features()
+    return result.telemetry["tp_comm"], [entry["tp_comm"] for entry in result.progress], printed.getvalue()
+
+
+def test_tp_communication_overlap_is_reported_per_interval_and_for_the_run():
+    """``--log-tp-comm-overlap``: a ``[tp-comm]`` line per logging interval and a run total on rank 0, the same
+    numbers on every rank; validation (every interval here) is not counted."""
+    results = run_distributed(_tp_comm_overlap_worker, 2, timeout=240)
+    total, intervals, printed = results[0]
+    assert [interval["collectives"] for interval in intervals] == [total["collectives"] // 2] * 2
+    # per rank, step and micro-batch: 4 layers x (2 column linears x 2 chunks x 3 collectives + 2 row linears x
+    # 2 chunks x 2) + the output layer's 2 x 3; 4 micro-batches, 2 ranks
+    assert total["collectives"] == 4 * 2 * 4 * (4 * (2 * 2 * 3 + 2 * 2 * 2) + 2 * 3)
+    assert total["communication_s"] > 0 and 0.0 <= total["hidden_fraction"] <= 1.0
+    assert sum(interval["exposed_s"] for interval in intervals) == pytest.approx(total["exposed_s"])
+    lines = re.findall(TP_COMM_LINE, printed, re.MULTILINE)
+    assert [(int(iteration), int(count)) for iteration, count, _ in lines] == [
+        (2, intervals[0]["collectives"]), (4, intervals[1]["collectives"])], printed
+    assert f"all 2 ranks: collectives {total['collectives']} | " in printed
+    assert results[1][0] == total and results[1][1] == intervals and "[tp-comm]" not in results[1][2]
