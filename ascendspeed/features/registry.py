@@ -10,5 +10,6 @@ FEATURE_MODULES = (
     "ascendspeed.features.moe",
     "ascendspeed.features.moe_permute_fusion",
     "ascendspeed.features.tp_comm_overlap",
+    "ascendspeed.features.adaptive_recompute",
     "ascendspeed.features.local_mla",  # last: its DotProductAttention.__init__ wrap takes MLA's extra arguments
 )

@@ -14,7 +14,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core import optimizer as megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
@@ -190,7 +191,8 @@ def build_optimizer(args: argparse.Namespace, model: list[DistributedDataParalle
         hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, model)
+    # through the module: features wrap megatron-core's function, and ascendspeed's own bindings are not swept
+    return megatron_optimizer.get_megatron_optimizer(config, model)
 
 
 def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:

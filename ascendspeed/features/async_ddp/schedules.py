@@ -4,19 +4,8 @@ from __future__ import annotations
 import functools
 
 from ascendspeed.features.async_ddp.state import AsyncDDPSettings
+from ascendspeed.features.schedule_signatures import NO_PIPELINING_0_15, SCHEDULE, SCHEDULE_0_15
 from ascendspeed.patching import Patch, wrap
-
-_COMMON = (
-    "(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size, "
-    "decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None, "
-    "adjust_tensor_shapes_fn=None, "
-)
-#: The schedules' keyword-only signatures: 0.16 added ``force_all_reduce`` (and ``p2p_communicator`` to the
-#: no-pipelining schedule, which 0.15's pipelined schedules already took).
-SCHEDULE = _COMMON + "p2p_communicator=None, pg_collection=None, force_all_reduce=False)"
-SCHEDULE_0_15 = _COMMON + "p2p_communicator=None, pg_collection=None)"
-NO_PIPELINING_0_15 = _COMMON + "pg_collection=None)"
-
 
 def wrap_schedule(settings: AsyncDDPSettings):
     """Around megatron-core's forward-backward schedules: every stage overlaps, and steps are timed.

@@ -1,0 +1,52 @@
+"""Where adaptive recompute hooks into megatron-core: the training schedules (one call per step, in the
+pretraining entry and in Megatron-LM alike) and ``get_megatron_optimizer`` (whose optimizer state the memory
+account needs)."""
+from __future__ import annotations
+
+import functools
+
+from ascendspeed.features.adaptive_recompute.controller import AdaptiveRecompute
+from ascendspeed.features.schedule_signatures import SCHEDULES
+from ascendspeed.patching import EXISTS, Patch, wrap
+
+
+def wrap_schedule(controller: AdaptiveRecompute, name: str):
+    """A training call of schedule ``name`` runs under the controller (profiling, planning, measuring)."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def schedule(*args, **kwargs):
+            model = kwargs.get("model")
+            if model is None or kwargs.get("forward_only", False):
+                return original(*args, **kwargs)
+            chunks = model if isinstance(model, list) else [model]
+            return controller.run(name, lambda: original(*args, **kwargs), chunks, kwargs["num_microbatches"])
+
+        return schedule
+
+    return factory
+
+
+def wrap_get_megatron_optimizer(controller: AdaptiveRecompute):
+    """Remember the optimizer: its state belongs to the static memory the plan must leave room for."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def get_megatron_optimizer(*args, **kwargs):
+            optimizer = original(*args, **kwargs)
+            controller.remember_optimizer(optimizer)
+            return optimizer
+
+        return get_megatron_optimizer
+
+    return factory
+
+
+def patches(controller: AdaptiveRecompute) -> list[Patch]:
+    found = [wrap("megatron.core.optimizer:get_megatron_optimizer", wrap_get_megatron_optimizer(controller),
+                  expect=EXISTS, name="adaptive recompute: wrap get_megatron_optimizer, remember the optimizer")]
+    for name, signature, signature_0_15 in SCHEDULES:
+        for expect, versions in ((signature, ">=0.16"), (signature_0_15, "<0.16")):
+            found.append(wrap(f"megatron.core.pipeline_parallel.schedules:{name}", wrap_schedule(controller, name),
+                              expect=expect, megatron=versions, name=f"adaptive recompute: {name}"))
+    return found

@@ -1,0 +1,168 @@
+"""Adaptive recompute (``--adaptive-recompute-device-size``): the solver against brute force on synthetic layer
+profiles, and the pretraining entry on two pipeline stages (1F1B: the first stage holds two micro-batches, the
+second one), where every plan trains exactly as without recompute, the measured peak stays within budgets
+between the full-recompute and the no-recompute peaks, the stages choose different plans for the same budget,
+and a budget below full recompute is refused at the end of profiling naming the minimum.
+"""
+import itertools
+import random
+
+import pytest
+
+from ascendspeed.features import FeatureArgumentError, all_features, default_arguments
+from ascendspeed.features.adaptive_recompute import solver
+from tests.helpers.distributed import run_distributed
+
+MIB = 2**20
+
+
+def _random_layer(rng, mlp_recompute=True):
+    none = rng.randint(50, 100)
+    attention = none - rng.randint(0, 30)
+    saved = {solver.NONE: none, solver.ATTENTION: attention, solver.ATTENTION_MLP: attention - rng.randint(0, 20),
+             solver.FULL: rng.randint(1, 10)}
+    seconds = {solver.NONE: 0.0, solver.ATTENTION: rng.random(), solver.ATTENTION_MLP: 0.5 + 2 * rng.random(),
+               solver.FULL: 3 + rng.random()}
+    if not mlp_recompute:
+        del saved[solver.ATTENTION_MLP], seconds[solver.ATTENTION_MLP]
+    return solver.LayerProfile(saved, seconds)
+
+
+def _brute_force(chunks, units, allowed):
+    """Every option per layer with the same full prefix in every chunk; the cheapest that fits."""
+    flat = [layer for chunk in chunks for layer in chunk]
+    best = None
+    for options in itertools.product(solver.OPTIONS, repeat=len(flat)):
+        if any(option not in layer.saved_bytes for layer, option in zip(flat, options)):
+            continue
+        prefixes, start, valid = set(), 0, True
+        for chunk in chunks:
+            mine = options[start:start + len(chunk)]
+            start += len(chunk)
+            full = next((i for i, option in enumerate(mine) if option != solver.FULL), len(mine))
+            valid &= solver.FULL not in mine[full:]
+            prefixes.add(full)
+        if not valid or len(prefixes) > 1:
+            continue
+        plan = solver.plan_of(flat, options)
+        if plan.saved_bytes * units <= allowed and (best is None or plan.recompute_seconds < best.recompute_seconds):
+            best = plan
+    return best
+
+
+def test_solver_finds_the_cheapest_plan_that_fits():
+    rng = random.Random(0)
+    for _ in range(300):
+        chunks = [[_random_layer(rng, mlp_recompute=rng.random() > 0.2) for _ in range(rng.randint(1, 4))]
+                  for _ in range(rng.choice((1, 1, 2)))]
+        layers = sum(len(chunk) for chunk in chunks)
+        units = rng.randint(1, 3)
+        allowed = rng.randint(0, 100 * layers * units)
+        expected, found = _brute_force(chunks, units, allowed), solver.solve(chunks, units, allowed)
+        assert (expected is None) == (found is None), (expected, found)
+        if expected is not None:
+            assert found.recompute_seconds == pytest.approx(expected.recompute_seconds, abs=1e-12)
+            assert found.saved_bytes * units <= allowed
+
+
+def test_solver_scales_to_deep_models():
+    rng = random.Random(1)
+    layer = _random_layer(rng)
+    chunks = [[layer] * 96]
+    none, full = layer.saved_bytes[solver.NONE] * 96, layer.saved_bytes[solver.FULL] * 96
+    plan = solver.solve(chunks, 4, 4 * (none + full) // 2)
+    assert plan is not None and plan.saved_bytes <= (none + full) // 2
+    assert solver.solve(chunks, 4, 4 * full - 1) is None
+
+
+#: Activations of some MiB per micro-batch, so budgets a few MiB apart (the flag counts MiB) choose other plans.
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+        "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "1",
+        "--train-iters", "8", "--log-interval", "8", "--eval-interval", "0", "--eval-iters", "1",
+        "--split", "998,2", "--eval-seq-lengths", "256", "--pipeline-model-parallel-size", "2"]
+PROFILING = ["--adaptive-recompute-profiling-step", "5"]
+FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def _train(flags):
+    from ascendspeed.features import applied_features, disable_features
+    from ascendspeed.training.arguments import parse_args
+    from ascendspeed.training.trainer import train
+
+    try:
+        result = train(parse_args([*BASE, *flags], world_size=2))
+        controllers = [feature.state for feature in applied_features() if feature.name == "adaptive_recompute"]
+        return result.losses, (controllers[0] if controllers else None)
+    finally:
+        disable_features()
+
+
+def _job(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    reference, _ = _train([])
+    _, probe = _train(["--adaptive-recompute-device-size", str(10**6), *PROFILING])
+    # budgets between full recompute and none, feasible on both stages
+    bounds = torch.tensor([probe.minimum_bytes, probe.none_peak_bytes], dtype=torch.float64)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    low, high = bounds.tolist()
+    runs = {}
+    for fraction in FRACTIONS:
+        budget_mib = int((low + fraction * (high - low)) / MIB) + 1
+        losses, controller = _train(["--adaptive-recompute-device-size", str(budget_mib), *PROFILING])
+        runs[fraction] = {"budget": budget_mib * MIB, "losses": losses, "plan": controller.plan.options,
+                          "predicted": controller.predicted_peak, "measured": controller.measured_peak}
+    try:
+        _train(["--adaptive-recompute-device-size", str(max(1, int(low / MIB) - 1)), *PROFILING])
+        refusal = None
+    except FeatureArgumentError as error:
+        refusal = str(error)
+    return {"reference": reference, "bounds": (low, high), "runs": runs, "refusal": refusal,
+            "minimum": probe.minimum_bytes}
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_distributed(_job, 2, timeout=600)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_every_plan_trains_as_without_recompute_within_the_budget(job, fraction):
+    for rank, result in enumerate(job):
+        run = result["runs"][fraction]
+        assert run["losses"] == result["reference"], f"rank {rank}: recompute changed the losses"
+        assert run["measured"] <= run["predicted"] <= run["budget"], (rank, run)
+
+
+def test_stages_holding_more_micro_batches_recompute_more(job):
+    low, high = job[0]["bounds"]
+    recomputed = [sum(option != solver.NONE for option in result["runs"][0.5]["plan"]) for result in job]
+    assert recomputed[0] >= recomputed[1], recomputed
+    plans = [[result["runs"][fraction]["plan"] for fraction in FRACTIONS] for result in job]
+    assert plans[0] != plans[1], plans
+
+
+def test_a_budget_below_full_recompute_is_refused_naming_the_minimum(job):
+    refusals = [result["refusal"] for result in job]
+    assert any(refusals), refusals
+    message = next(refusal for refusal in refusals if refusal)
+    assert "--adaptive-recompute-device-size" in message and "cannot be met" in message and "give at least" in message
+
+
+def _validate(**flags):
+    args = default_arguments()
+    for key, value in flags.items():
+        setattr(args, key, value)
+    next(feature for feature in all_features() if feature.name == "adaptive_recompute").validate(args)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(adaptive_recompute_device_size=0), "a memory size in MiB"),
+    (dict(adaptive_recompute_device_size=1000, adaptive_recompute_profiling_step=3), "use 5 or more"),
+    (dict(adaptive_recompute_device_size=1000, recompute_granularity="full"), "drop one of them"),
+    (dict(memory_fragmentation=True), "on the CPU"),
+])
+def test_invalid_settings_are_refused_naming_the_flags(flags, message):
+    with pytest.raises(FeatureArgumentError, match=message):
+        _validate(**flags)
