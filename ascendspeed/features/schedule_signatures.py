@@ -11,9 +11,3 @@ SCHEDULE = _COMMON + "p2p_communicator=None, pg_collection=None, force_all_reduc
 SCHEDULE_0_15 = _COMMON + "p2p_communicator=None, pg_collection=None)"
 NO_PIPELINING_0_15 = _COMMON + "pg_collection=None)"
 
-#: (schedule function, its signature from 0.16, its signature before 0.16)
-SCHEDULES = (
-    ("forward_backward_no_pipelining", SCHEDULE, NO_PIPELINING_0_15),
-    ("forward_backward_pipelining_without_interleaving", SCHEDULE, SCHEDULE_0_15),
-    ("forward_backward_pipelining_with_interleaving", SCHEDULE, SCHEDULE_0_15),
-)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from ascendspeed.features.adaptive_recompute.controller import AdaptiveRecompute
-from ascendspeed.features.schedule_signatures import SCHEDULES
+from ascendspeed.features.schedule_signatures import NO_PIPELINING_0_15, SCHEDULE, SCHEDULE_0_15
 from ascendspeed.patching import EXISTS, Patch, wrap
 
 
@@ -43,10 +43,22 @@ def wrap_get_megatron_optimizer(controller: AdaptiveRecompute):
 
 
 def patches(controller: AdaptiveRecompute) -> list[Patch]:
-    found = [wrap("megatron.core.optimizer:get_megatron_optimizer", wrap_get_megatron_optimizer(controller),
-                  expect=EXISTS, name="adaptive recompute: wrap get_megatron_optimizer, remember the optimizer")]
-    for name, signature, signature_0_15 in SCHEDULES:
-        for expect, versions in ((signature, ">=0.16"), (signature_0_15, "<0.16")):
-            found.append(wrap(f"megatron.core.pipeline_parallel.schedules:{name}", wrap_schedule(controller, name),
-                              expect=expect, megatron=versions, name=f"adaptive recompute: {name}"))
-    return found
+    no_pipelining = wrap_schedule(controller, "forward_backward_no_pipelining")
+    one_f_one_b = wrap_schedule(controller, "forward_backward_pipelining_without_interleaving")
+    interleaved = wrap_schedule(controller, "forward_backward_pipelining_with_interleaving")
+    return [
+        wrap("megatron.core.optimizer:get_megatron_optimizer", wrap_get_megatron_optimizer(controller),
+             expect=EXISTS, name="adaptive recompute: wrap get_megatron_optimizer, remember the optimizer"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining", no_pipelining,
+             expect=SCHEDULE, megatron=">=0.16", name="adaptive recompute: no pipeline schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining", no_pipelining,
+             expect=NO_PIPELINING_0_15, megatron="<0.16", name="adaptive recompute: no pipeline schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+             one_f_one_b, expect=SCHEDULE, megatron=">=0.16", name="adaptive recompute: 1F1B schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+             one_f_one_b, expect=SCHEDULE_0_15, megatron="<0.16", name="adaptive recompute: 1F1B schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+             interleaved, expect=SCHEDULE, megatron=">=0.16", name="adaptive recompute: interleaved schedule"),
+        wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+             interleaved, expect=SCHEDULE_0_15, megatron="<0.16", name="adaptive recompute: interleaved schedule"),
+    ]

@@ -12,14 +12,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import torch.distributed as dist
-
-from ascendspeed.features.base import FeatureTelemetry
-from ascendspeed.features.timing import covered_seconds, print_on_rank_0, sum_over_ranks
+from ascendspeed.features.timing import OverlapReport, OverlapTotals, covered_seconds
 
 
 @dataclasses.dataclass(frozen=True)
-class RingOverlap:
+class RingOverlap(OverlapTotals):
     """Totals of one or more measurement windows; windows add up (``+``), their hops being disjoint in time."""
 
     hops: int = 0
@@ -27,17 +24,6 @@ class RingOverlap:
     compute_s: float = 0.0
     communication_s: float = 0.0
     exposed_s: float = 0.0
-
-    @property
-    def hidden_fraction(self) -> float:
-        """The part of the time hops were in flight that the rank did not spend waiting for them."""
-        if self.communication_s <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.exposed_s / self.communication_s)
-
-    def __add__(self, other: "RingOverlap") -> "RingOverlap":
-        return RingOverlap(*(getattr(self, field.name) + getattr(other, field.name)
-                             for field in dataclasses.fields(self)))
 
     def format(self) -> str:
         return (f"hops {self.hops} | sent {self.sent_bytes / 2**20:.1f} MiB | "
@@ -99,45 +85,18 @@ class RingTelemetry:
             self.hops = []
 
 
-class RingOverlapReport(FeatureTelemetry):
+class RingOverlapReport(OverlapReport):
     """``--log-cp-ring-overlap`` in the pretraining entry: how much of the ring's communication the block
-    computation hid, per logging interval and over the run, summed over every rank of the job.
-
-    Only training steps count (``step_started`` drops what validation's forward passes recorded). Closing
-    an interval is a collective (a sum over ranks), so every rank calls ``close_interval`` and ``close_run``.
-    """
+    computation hid, per logging interval and over the run, summed over every rank of the job; the run's
+    totals are returned as a ``RingOverlap``."""
 
     key = "cp_ring"
+    tag = "cp-ring"
+    subject = "context-parallel ring"
 
     def __init__(self, telemetry: RingTelemetry):
+        super().__init__(telemetry, RingOverlap())
         self.telemetry = telemetry
-        self.interval = RingOverlap()
-        self.total = RingOverlap()
 
-    def step_started(self) -> None:
-        self.telemetry.reset()
-
-    def step_finished(self) -> None:
-        self.interval = self.interval + self.telemetry.take()
-
-    def close_interval(self, iteration: int) -> dict:
-        """The interval's totals over all ranks, printed as one ``[cp-ring]`` line on rank 0."""
-        local, self.interval = self.interval, RingOverlap()
-        self.total = self.total + local
-        interval = _over_ranks(local)
-        print_on_rank_0(f"[cp-ring] iteration {iteration} | {interval.format()}")
-        return interval.summary()
-
-    def close_run(self) -> RingOverlap:
-        """The run's totals over all ranks (the intervals not closed yet included), printed on rank 0."""
-        self.total, self.interval = self.total + self.interval, RingOverlap()
-        total = _over_ranks(self.total)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        print_on_rank_0(f"context-parallel ring over the run's training steps, all {world} ranks: {total.format()}")
+    def run_result(self, total: RingOverlap) -> RingOverlap:
         return total
-
-
-def _over_ranks(overlap: RingOverlap) -> RingOverlap:
-    hops, sent_bytes, compute_s, communication_s, exposed_s = sum_over_ranks(
-        [overlap.hops, overlap.sent_bytes, overlap.compute_s, overlap.communication_s, overlap.exposed_s])
-    return RingOverlap(int(hops), int(sent_bytes), compute_s, communication_s, exposed_s)

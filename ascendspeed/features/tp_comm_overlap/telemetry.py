@@ -13,30 +13,17 @@ import dataclasses
 import threading
 import time
 
-import torch.distributed as dist
-
-from ascendspeed.features.base import FeatureTelemetry
-from ascendspeed.features.timing import covered_seconds, print_on_rank_0, sum_over_ranks
+from ascendspeed.features.timing import OverlapReport, OverlapTotals, covered_seconds
 
 
 @dataclasses.dataclass(frozen=True)
-class TpCommOverlap:
+class TpCommOverlap(OverlapTotals):
     """Totals of one or more measurement windows (windows add up with ``+``)."""
 
     collectives: int = 0
     communicated_bytes: int = 0
     communication_s: float = 0.0
     exposed_s: float = 0.0
-
-    @property
-    def hidden_fraction(self) -> float:
-        if self.communication_s <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.exposed_s / self.communication_s)
-
-    def __add__(self, other: "TpCommOverlap") -> "TpCommOverlap":
-        return TpCommOverlap(*(getattr(self, field.name) + getattr(other, field.name)
-                               for field in dataclasses.fields(self)))
 
     def format(self) -> str:
         return (f"collectives {self.collectives} | {self.communicated_bytes / 2**20:.1f} MiB | "
@@ -95,40 +82,13 @@ class TpCommRecorder:
         return totals
 
 
-class TpCommOverlapReport(FeatureTelemetry):
+class TpCommOverlapReport(OverlapReport):
     """``--log-tp-comm-overlap`` in the pretraining entry: the chunked linears' communication time, its
     exposed part and the hidden fraction per logging interval and over the run, summed over all ranks."""
 
     key = "tp_comm"
+    tag = "tp-comm"
+    subject = "tensor-parallel communication"
 
     def __init__(self, recorder: TpCommRecorder):
-        self.recorder = recorder
-        self.interval = TpCommOverlap()
-        self.total = TpCommOverlap()
-
-    def step_started(self) -> None:
-        self.recorder.take()  # what ran between steps (validation) is not the step's
-
-    def step_finished(self) -> None:
-        self.interval = self.interval + self.recorder.take()
-
-    def close_interval(self, iteration: int) -> dict:
-        local, self.interval = self.interval, TpCommOverlap()
-        self.total = self.total + local
-        interval = _over_ranks(local)
-        print_on_rank_0(f"[tp-comm] iteration {iteration} | {interval.format()}")
-        return interval.summary()
-
-    def close_run(self) -> dict:
-        self.total, self.interval = self.total + self.interval, TpCommOverlap()
-        total = _over_ranks(self.total)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        print_on_rank_0(f"tensor-parallel communication over the run's training steps, all {world} ranks: "
-                         f"{total.format()}")
-        return total.summary()
-
-
-def _over_ranks(overlap: TpCommOverlap) -> TpCommOverlap:
-    collectives, communicated_bytes, communication_s, exposed_s = sum_over_ranks(
-        [overlap.collectives, overlap.communicated_bytes, overlap.communication_s, overlap.exposed_s])
-    return TpCommOverlap(int(collectives), int(communicated_bytes), communication_s, exposed_s)
+        super().__init__(recorder, TpCommOverlap())
