@@ -158,6 +158,7 @@ class AdaptiveRecompute:
         self.static_bytes: Optional[int] = None
         self.minimum_bytes: Optional[int] = None
         self.none_peak_bytes: Optional[int] = None
+        self.units: Optional[int] = None
 
     def remember_optimizer(self, optimizer) -> None:
         self.optimizer_ref = weakref.ref(optimizer)
@@ -207,7 +208,7 @@ class AdaptiveRecompute:
 
     # -- the plan ------------------------------------------------------------------------------------
     def _plan(self, blocks, schedule_name: str, num_microbatches: int, static: int) -> None:
-        units = units_in_flight(schedule_name, num_microbatches)
+        units = self.units = units_in_flight(schedule_name, num_microbatches)
         profiles = [[self._layer_profile(b, i, mlp_recompute_supported(layer)) for i, layer in enumerate(block.layers)]
                     for b, block in enumerate(blocks)]
         flat = [layer for chunk in profiles for layer in chunk]
