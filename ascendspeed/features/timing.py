@@ -23,11 +23,21 @@ def covered_seconds(intervals) -> float:
 
 def sum_over_ranks(values: Sequence[float]) -> list[float]:
     """``values`` summed over every rank of the job (a collective: every rank calls it); as is without one."""
+    return _reduced_over_ranks(values, dist.ReduceOp.SUM)
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """The largest of each of ``values`` over every rank of the job (a collective); as is without one."""
+    return _reduced_over_ranks(values, dist.ReduceOp.MAX)
+
+
+def _reduced_over_ranks(values: Sequence[float], op) -> list[float]:
+    if not dist.is_initialized():
+        return [float(value) for value in values]
     from ascendspeed.accelerator import current_device
 
-    packed = torch.tensor(list(values), dtype=torch.float64, device=current_device())
-    if dist.is_initialized():
-        dist.all_reduce(packed)
+    packed = torch.tensor([float(value) for value in values], dtype=torch.float64, device=current_device())
+    dist.all_reduce(packed, op=op)
     return packed.tolist()
 
 

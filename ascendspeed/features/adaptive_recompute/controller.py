@@ -26,6 +26,7 @@ import torch
 from ascendspeed.features.adaptive_recompute import solver
 from ascendspeed.features.adaptive_recompute.account import ModuleProbe, SavedTensorAccount
 from ascendspeed.features.base import FeatureArgumentError
+from ascendspeed.features.timing import max_over_ranks
 
 MIB = 2**20
 PROFILED_OPTIONS = (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP, solver.FULL)
@@ -102,36 +103,19 @@ def units_in_flight(schedule_name: str, num_microbatches: int) -> int:
     return max(1, math.ceil(chunk_microbatches / vpp))
 
 
-def _device_peak() -> Optional[int]:
+def device_allocator():
+    """``torch.cuda`` / ``torch.npu`` where the device has a caching allocator, None on the CPU."""
     from ascendspeed.accelerator import device_type
 
     kind = device_type()
-    if kind == "cpu":
-        return None
-    module = getattr(torch, kind)
-    return int(module.max_memory_allocated())
-
-
-def _reset_device_peak() -> None:
-    from ascendspeed.accelerator import device_type
-
-    kind = device_type()
-    if kind != "cpu":
-        getattr(torch, kind).reset_peak_memory_stats()
+    return None if kind == "cpu" else getattr(torch, kind)
 
 
 def _over_ranks_max(minimum: int, refused: bool) -> tuple[int, bool]:
     """The largest minimum over all ranks and whether any rank cannot meet the budget: every rank stops
     together, or the others would wait for it in their next collective."""
-    import torch.distributed as dist
-
-    from ascendspeed.accelerator import current_device
-
-    if not dist.is_initialized():
-        return minimum, refused
-    packed = torch.tensor([float(minimum), float(refused)], dtype=torch.float64, device=current_device())
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
-    return int(packed[0].item()), bool(packed[1].item())
+    worst, any_refused = max_over_ranks([minimum, refused])
+    return int(worst), bool(any_refused)
 
 
 def _print_on_rank(line: str) -> None:
@@ -150,12 +134,10 @@ class AdaptiveRecompute:
         self.step = 0
         self.optimizer_ref = None
         self.samples = {option: [] for option in PROFILED_OPTIONS}
-        self.timings = []
         self.peaks = {option: [] for option in PROFILED_OPTIONS}
         self.plan: Optional[solver.Plan] = None
         self.predicted_peak: Optional[int] = None
         self.measured_peak: Optional[int] = None
-        self.static_bytes: Optional[int] = None
         self.minimum_bytes: Optional[int] = None
         self.none_peak_bytes: Optional[int] = None
         self.units: Optional[int] = None
@@ -185,7 +167,9 @@ class AdaptiveRecompute:
         probes.update({(b, i, "mlp"): layer.mlp for (b, i), layer in layers.items() if hasattr(layer, "mlp")})
         account = SavedTensorAccount(self._not_activations(model_chunks))
         probe = ModuleProbe(account, probes)
-        _reset_device_peak()
+        allocator = device_allocator()
+        if allocator is not None:
+            allocator.reset_peak_memory_stats()
         try:
             with account.recording():
                 result = run_step()
@@ -193,15 +177,14 @@ class AdaptiveRecompute:
             probe.remove()
         totals = probe.take()
         static = self._static_bytes(model_chunks)
-        device_peak = _device_peak()
-        peak = device_peak if device_peak is not None else static + account.peak
+        peak = int(allocator.max_memory_allocated()) if allocator is not None else static + account.peak
         if measuring_plan:
             self.measured_peak = peak
             _print_on_rank(f"measured peak with the plan: {peak / MIB:.1f} MiB (predicted "
                            f"{self.predicted_peak / MIB:.1f} MiB, budget {self.budget_bytes / MIB:.0f} MiB)")
             return result
         self.peaks[option].append(peak)
-        self.samples[option].append({key: value for key, value in totals.items()})
+        self.samples[option].append(totals)
         if self.step == self.profiling_steps:
             self._plan(blocks, schedule_name, num_microbatches, static)
         return result
@@ -233,7 +216,7 @@ class AdaptiveRecompute:
                 f"--adaptive-recompute-device-size {self.budget_bytes // MIB} cannot be met: even full recompute of "
                 f"every layer needs {worst_minimum / MIB:.1f} MiB {where}; give at least "
                 f"{math.ceil(worst_minimum / MIB)}")
-        self.plan, self.static_bytes = plan, static
+        self.plan = plan
         self.predicted_peak = (static + other + transient + units * plan.saved_bytes
                                + (full_overhead if plan.full_layers else 0))
         per_block, start = [], 0
@@ -250,8 +233,7 @@ class AdaptiveRecompute:
 
     def _layer_profile(self, block: int, index: int, mlp_recompute: bool) -> solver.LayerProfile:
         def per_call(option, key, field):
-            values = [sample[key][field] / sample[key][3] for sample in self.samples[option] if key in sample]
-            return values
+            return [sample[key][field] / sample[key][3] for sample in self.samples[option] if key in sample]
 
         saved = {}
         for option in (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP):

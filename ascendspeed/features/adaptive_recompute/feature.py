@@ -103,16 +103,11 @@ class AdaptiveRecomputeFeature(Feature[AdaptiveRecomputeSettings]):
         return patches.patches(state if state is not None else self.new_state(settings))
 
 
-def _device_module():
-    from ascendspeed.accelerator import device_type
-    import torch
-
-    kind = device_type()
-    return kind, (getattr(torch, kind) if kind != "cpu" else None)
-
-
 def _validate_memory_fragmentation() -> None:
-    kind, module = _device_module()
+    from ascendspeed.accelerator import device_type
+    from ascendspeed.features.adaptive_recompute.controller import device_allocator
+
+    kind, module = device_type(), device_allocator()
     if module is None:
         raise FeatureArgumentError(
             "--memory-fragmentation sets the caching allocator of CUDA and NPU devices, and this run is on the CPU, "
@@ -129,7 +124,10 @@ def _allocator_variable(kind: str) -> str:
 
 
 def _enable_expandable_segments() -> None:
-    kind, module = _device_module()
+    from ascendspeed.accelerator import device_type
+    from ascendspeed.features.adaptive_recompute.controller import device_allocator
+
+    kind, module = device_type(), device_allocator()
     variable = _allocator_variable(kind)
     settings = [part for part in os.environ.get(variable, "").split(",") if part and
                 not part.startswith("expandable_segments")]

@@ -90,17 +90,16 @@ def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
             group = _tp_group(self, self.tp_group, settings) if served else None
             if group is None:
                 return original(self, input_)
-            main_grad = _main_grad(self.weight, self.gradient_accumulation_fusion)
             if tracker is not None and tracker.reduction_is_redundant():
                 output = recompute.partial_product_without_reduction(self, input_, group)
             elif not settings.overlap:
                 return original(self, input_)
-            elif not self.sequence_parallel:
-                output = chunked.MatmulAllReduce.apply(input_, self.weight, group, settings.chunks, main_grad)
-            elif settings.mc2:
+            elif settings.mc2 and self.sequence_parallel:
                 output = mc2.MatmulReduceScatter.apply(input_, self.weight, group)
             else:
-                output = chunked.MatmulReduceScatter.apply(input_, self.weight, group, settings.chunks, main_grad)
+                kernel = chunked.MatmulReduceScatter if self.sequence_parallel else chunked.MatmulAllReduce
+                output = kernel.apply(input_, self.weight, group, settings.chunks,
+                                      _main_grad(self.weight, self.gradient_accumulation_fusion))
             if self.skip_bias_add:
                 return output, self.bias
             return (output + self.bias if self.bias is not None else output), None

@@ -17,6 +17,7 @@ Which reduction is the last is learnt from the checkpoint's first forward: each 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -47,19 +48,16 @@ class RecomputeTracker:
             self._local.stack = []
         return self._local.stack
 
+    @contextlib.contextmanager
     def running(self, record: CheckpointRecord, recomputing: bool):
-        tracker = self
-
-        class _Running:
-            def __enter__(self):
-                if recomputing:
-                    record.replayed = 0
-                tracker._stack().append((record, recomputing))
-
-            def __exit__(self, *exc):
-                tracker._stack().pop()
-
-        return _Running()
+        if recomputing:
+            record.replayed = 0
+        stack = self._stack()
+        stack.append((record, recomputing))
+        try:
+            yield
+        finally:
+            stack.pop()
 
     @property
     def recomputing(self) -> bool:
