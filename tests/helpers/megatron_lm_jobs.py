@@ -2,7 +2,7 @@
 
 ``run_job(script, processes, args, env=..., cwd=..., timeout=...)`` returns ``(returncode, output)`` as
 ``subprocess.run`` of torchrun would (0 when every rank exited 0, else 1; stdout and stderr of every rank
-in one text). The ranks are forked by one server process per test session
+in one text, rank 0's lines first, then rank 1's, ...). The ranks are forked by one server process per test session
 (``tests.helpers.megatron_lm_server``) that has imported the adaptor and Megatron-LM once; a run through
 real torchrun costs ~20 s of CPU in imports alone. ``tests/accelerator/test_megatron_lm_on_cpu.py`` keeps
 real torchrun runs, so the launcher itself stays tested.
@@ -48,18 +48,27 @@ def _stop() -> None:
         _SERVER.wait(timeout=30)
 
 
+def _read_if_present(path: str) -> str:
+    try:
+        with open(path, errors="replace") as log:
+            text = log.read()
+    except FileNotFoundError:
+        return ""
+    return text if text.endswith("\n") or not text else text + "\n"
+
+
 def run_job(script: str, processes: int, args: Sequence[str], *, env: Mapping[str, str], cwd: str,
             timeout: float = 300) -> tuple[int, str]:
     """Run ``script`` on ``processes`` ranks; ``(0 or 1, combined output)``. A job past ``timeout`` fails the
     test with its output."""
     server = _server()
-    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+    with tempfile.TemporaryDirectory() as logs:
         request = {"script": script, "processes": processes, "args": list(args), "env": dict(env), "cwd": cwd,
-                   "timeout": timeout, "log": log.name}
+                   "timeout": timeout, "log": os.path.join(logs, "rank")}
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
         reply = server.stdout.readline()
-        output = log.read()
+        output = "".join(_read_if_present(f"{request['log']}.{rank}") for rank in range(processes))
     if not reply:
         raise RuntimeError(f"the Megatron-LM job server died during the job:\n{output[-6000:]}")
     result = json.loads(reply)

@@ -4,8 +4,9 @@
 JSON request per line on stdin and answers one JSON line on stdout per job. A job is what
 ``torchrun --standalone --nproc-per-node N script args...`` runs: N ranks of ``script`` with torchrun's
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-``MASTER_ADDR``, ``MASTER_PORT``), their stdout and stderr in one log, and torchrun's failure rule: when a
-rank fails, the others are stopped. Each rank is a fork of this server, which has done nothing but
+``MASTER_ADDR``, ``MASTER_PORT``), each rank's stdout and stderr in its own log (``<log>.<rank>``: ranks
+sharing one file interleave a line of one rank into an unterminated line of another), and torchrun's
+failure rule: when a rank fails, the others are stopped. Each rank is a fork of this server, which has done nothing but
 imports, so it starts as a fresh interpreter would after ``import ascendspeed.megatron_adaptor`` and
 Megatron-LM's imports, without their ~8 s of CPU per rank.
 """
@@ -45,7 +46,7 @@ def _run_rank(rank: int, request: dict, port: int) -> None:
     """The body of one forked rank; never returns."""
     code = 1
     try:
-        log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        log = os.open(f"{request['log']}.{rank}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
