@@ -9,8 +9,10 @@ alike:
 * ``megatron_defaults``: Megatron's defaults on the same model (learned absolute position embeddings,
   GeLU MLP, gradients reduced after backward): ``--position-embedding-type learned_absolute --no-swiglu
   --no-overlap-grad-reduce``;
-* ``alibi``: the same with ALiBi instead of learned positions (the local attention path);
-* ``alibi_fused``: the same on the fused ALiBi attention kernel (``--alibi-fused-attention``);
+* ``alibi``: the same with ALiBi instead of learned positions on Megatron's local attention path
+  (``--attention-backend unfused``);
+* ``alibi_fused``: the same on the fused ALiBi attention kernel (``--alibi-fused-attention``; Megatron's
+  default ``--attention-backend auto`` picks it too);
 * ``default_job``: the entry's defaults, no flags: ALiBi, SwiGLU on the fused operator,
   ``--overlap-grad-reduce``.
 
@@ -33,7 +35,8 @@ from harness import load_average, machine, timed
 MEGATRON_DEFAULTS = ["--position-embedding-type", "learned_absolute", "--no-swiglu", "--no-overlap-grad-reduce"]
 CONFIGS = {
     "megatron_defaults": MEGATRON_DEFAULTS,
-    "alibi": ["--position-embedding-type", "alibi", "--no-swiglu", "--no-overlap-grad-reduce"],
+    "alibi": ["--position-embedding-type", "alibi", "--attention-backend", "unfused", "--no-swiglu",
+              "--no-overlap-grad-reduce"],
     "alibi_fused": ["--position-embedding-type", "alibi", "--alibi-fused-attention", "--no-swiglu",
                     "--no-overlap-grad-reduce"],
     "default_job": [],

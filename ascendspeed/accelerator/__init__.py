@@ -106,7 +106,8 @@ def select_device() -> str:
 
 def cpu_patches():
     """The shims of feature ``accelerator.cpu``, in the order they are applied."""
-    from ascendspeed.accelerator import cpu_megatron_core, cpu_megatron_lm, cpu_runtime, cpu_tensors, triton_guard
+    from ascendspeed.accelerator import (cpu_fusions, cpu_megatron_core, cpu_megatron_lm, cpu_runtime, cpu_tensors,
+                                         triton_guard)
 
     return (
         cpu_runtime.patches()
@@ -115,6 +116,7 @@ def cpu_patches():
         + cpu_megatron_core.process_group_patches()
         + cpu_megatron_core.moe_patches()
         + cpu_megatron_lm.patches()
+        + cpu_fusions.patches()
         + triton_guard.patches()
     )
 

@@ -19,7 +19,18 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn", "mrope", "relati
 CHOICES: Mapping[str, tuple[str, ...]] = {
     "position_embedding_type": POSITION_EMBEDDING_TYPES,
     "normalization": ("LayerNorm", "RMSNorm"),
+    "attention_backend": ("flash", "fused", "unfused", "local", "auto"),
 }
+
+#: Megatron-LM's ``--attention-backend`` values that ask for a fused attention kernel (``auto``, its default,
+#: lets the implementation choose); ``unfused`` and ``local`` ask for the materialised scores.
+FUSED_ATTENTION_BACKENDS = ("auto", "flash", "fused")
+
+
+def attention_backend_name(backend) -> str:
+    """The name of an ``AttnBackend`` (Megatron-LM's parsed flag) or of its string form (the entry's)."""
+    return getattr(backend, "name", str(backend))
+
 
 #: The types of flags whose default is None (the others take the type of their default); None or absent:
 #: not checked.

@@ -1,5 +1,6 @@
 """The features ascendspeed offers, in the order their patches are applied (wraps stack in this order)."""
 FEATURE_MODULES = (
+    "ascendspeed.features.fused_attention",  # first: the features that keep Megatron's attention wrap around it
     "ascendspeed.features.async_ddp",
     "ascendspeed.features.alibi",
     "ascendspeed.features.fused_swiglu",

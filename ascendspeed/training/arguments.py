@@ -55,6 +55,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument("--attention-dropout", type=float, default=0.0)
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "fused", "unfused", "local"],
+                       help="auto, flash, fused: the core attention on the device's fused kernel wherever it computes "
+                       "Megatron's function (docs/features/fused-attention.md); unfused, local: Megatron's "
+                       "materialised scores")
     group.add_argument("--hidden-dropout", type=float, default=0.0)
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

@@ -19,6 +19,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel import set_defaults_if_not_set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
 from ascendspeed.features import configure_transformer_config
@@ -54,6 +55,7 @@ def build_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         persist_layer_norm=not args.no_persist_layer_norm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        attention_backend=AttnBackend[args.attention_backend],
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,

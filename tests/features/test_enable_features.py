@@ -44,7 +44,17 @@ def no_features_after():
 
 
 def applied_features():
-    return MANAGER.features() & FEATURES
+    """The features applied besides fused attention, which Megatron's default --attention-backend auto enables."""
+    return MANAGER.features() & FEATURES - {"fused_attention"}
+
+
+def test_megatron_s_default_attention_backend_enables_fused_attention():
+    enable_features()
+    assert "fused_attention" in MANAGER.features()
+    enable_features(attention_backend="unfused")
+    assert "fused_attention" not in MANAGER.features()
+    with pytest.raises(FeatureArgumentError, match="'flashy' is not a choice of --attention-backend"):
+        enable_features(attention_backend="flashy")
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -140,6 +150,6 @@ def test_each_manager_keeps_its_own_selection():
     enable_features(swiglu=True, use_fused_swiglu=True)
     enable_features(other, normalization="RMSNorm", use_fused_rmsnorm=True)
     assert applied_features() == {"fused_swiglu"}
-    assert other.features() == {"local_norm"}
-    enable_features(other)
+    assert other.features() == {"local_norm", "fused_attention"}
+    enable_features(other, attention_backend="local")
     assert not other.features() and applied_features() == {"fused_swiglu"}

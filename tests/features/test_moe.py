@@ -139,7 +139,7 @@ def _moe_case(rank, world_size, dispatcher, ep, fusion, capacity):
 
     from ascendspeed.features import applied_features
 
-    if [feature.name for feature in applied_features()] != ["moe", "moe_permute_fusion"]:
+    if [feature.name for feature in applied_features()] != ["fused_attention", "moe", "moe_permute_fusion"]:
         # once per rank: reverting sweeps every loaded module (~15 s), and the ranks end with the job
         enable_features(num_experts=EXPERTS, moe_permute_fusion=True)
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)

@@ -105,7 +105,7 @@ def _equivalence_case(rank, world_size, dispatcher, ep, etp, bias, activation):
     from ascendspeed.features import applied_features
 
     fused = activation == "fused-swiglu"
-    wanted = ["fused_swiglu", "moe"] if fused else ["moe"]
+    wanted = ["fused_attention", "fused_swiglu", "moe"] if fused else ["fused_attention", "moe"]
     if sorted(feature.name for feature in applied_features()) != wanted:
         enable_features(num_experts=EXPERTS, **({"swiglu": True, "use_fused_swiglu": True} if fused else {}))
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
@@ -138,7 +138,7 @@ def _checkpoint_case(rank, world_size, directory):
 
     from ascendspeed.features import applied_features
 
-    if [feature.name for feature in applied_features()] != ["moe"]:
+    if [feature.name for feature in applied_features()] != ["fused_attention", "moe"]:
         enable_features(num_experts=EXPERTS)
     parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
     try:

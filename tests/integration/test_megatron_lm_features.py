@@ -116,7 +116,7 @@ def _checked_run(launcher, processes, flags, feature, count, script="pretrain_gp
     every rank; returns the losses, the call counts ({(rank, target): calls}) and the output."""
     returncode, output = _launch(launcher, processes, flags, count, script=script)
     assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
-    assert FEATURES.findall(output) == [feature], f"adaptor report: {FEATURES.findall(output)}\n{output[-3000:]}"
+    assert _reported(output) == [feature], f"adaptor report: {FEATURES.findall(output)}\n{output[-3000:]}"
     losses = {int(step): float(loss) for step, loss in LOSS.findall(output)}
     assert sorted(losses) == list(range(1, ITERATIONS + 1)), f"a loss per iteration expected: {losses}"
     losses = [losses[step] for step in sorted(losses)]
@@ -127,14 +127,21 @@ def _checked_run(launcher, processes, flags, feature, count, script="pretrain_gp
     return losses, calls, output
 
 
+def _reported(output):
+    """The adaptor's report lines, without fused attention (on by Megatron's default --attention-backend auto)."""
+    return [", ".join(name for name in line.split(", ") if name != "fused_attention")
+            for line in FEATURES.findall(output)]
+
+
 def _train(launcher, processes, flags, feature, count, script="pretrain_gpt.py"):
     """``_checked_run`` without the output: the losses and the call counts."""
     return _checked_run(launcher, processes, flags, feature, count, script)[:2]
 
 
 def test_fused_swiglu_one_process(launcher):
-    _, calls = _train(launcher, 1, ["--global-batch-size", "4", "--swiglu", "--use-fused-swiglu"],
-                      "fused_swiglu", [SWIGLU_OP])
+    _, calls, output = _checked_run(launcher, 1, ["--global-batch-size", "4", "--swiglu", "--use-fused-swiglu"],
+                                    "fused_swiglu", [SWIGLU_OP])
+    assert FEATURES.findall(output) == ["fused_attention, fused_swiglu"]  # Megatron's --attention-backend auto
     # one forward per layer and micro-batch (2 per step); backward is the operator's own kernel
     assert calls[0, SWIGLU_OP] == 2 * 2 * ITERATIONS, calls
 

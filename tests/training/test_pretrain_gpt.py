@@ -63,10 +63,10 @@ def test_torchrun_two_processes_train_and_report(flags):
     assert validation[-1] < validation[0] - 1.5
     assert re.search(r"^ +64 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
     if flags:
-        assert "ascendspeed features: none enabled" in out
+        assert "ascendspeed features: fused_attention " in out  # Megatron's default --attention-backend auto
         assert re.search(r"^ +128 +skipped: learned_absolute position embeddings have 64 positions", out, re.M), out
     else:  # the default job: ALiBi, fused SwiGLU, overlapped gradient reduction; ALiBi evaluates past 64 tokens
-        assert "ascendspeed features: async_ddp, alibi, fused_swiglu " in out
+        assert "ascendspeed features: fused_attention, async_ddp, alibi, fused_swiglu " in out
         assert re.search(r"^ +128 +\d+\.\d+ +\d+\.\d+$", out, re.M), out
 
 

@@ -8,7 +8,9 @@ self-attention ``DotProductAttention`` built from such a config holds an ``Alibi
 * local path: Megatron's own forward runs unchanged; its ``FusedScaleMaskSoftmax`` receives the scaled
   ``baddbmm`` scores and first adds the bias in place (``ascendspeed::alibi_bias_``), then normalises
   them with subnormals flushed to zero;
-* fused path (``AlibiSettings(fused=True)``): the forward is ``ascendspeed.ops.alibi_attention``.
+* fused path (``AlibiSettings(fused=True)``, or ``fused_where_exact`` with a fused ``attention_backend``,
+  Megatron's default ``auto``, where the kernel computes what the local path does): the forward is
+  ``ascendspeed.ops.alibi_attention``.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
 from ascendspeed.ops.subnormals import flush_subnormals_in_backward, flushing_subnormals
 from ascendspeed.patching import Patch, wrap
@@ -30,9 +33,13 @@ CONFIG_ATTRIBUTE = "alibi"
 
 @dataclasses.dataclass(frozen=True)
 class AlibiSettings:
-    """How a model applies ALiBi. ``fused``: the fused attention kernel instead of Megatron's local path."""
+    """How a model applies ALiBi. ``fused``: the fused attention kernel instead of Megatron's local path
+    (``--alibi-fused-attention``); ``fused_where_exact``: the fused kernel in each layer whose config asks
+    for a fused attention backend and whose attention the kernel computes exactly as the local path does
+    (no dropout drawn, no sliding window, no softmax offset), the local path in the others."""
 
     fused: bool = False
+    fused_where_exact: bool = False
 
 
 def settings_of(config) -> Optional[AlibiSettings]:
@@ -120,15 +127,20 @@ def wrap_attention_init(original):
             )
         if config.apply_query_key_layer_scaling:
             raise ValueError("ALiBi does not support apply_query_key_layer_scaling (it would scale the bias)")
-        if settings.fused and (self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None):
+        unfusable = self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None
+        if settings.fused and unfusable:
             raise ValueError("fused ALiBi attention supports neither window_size nor softmax_type other than vanilla")
+        fused = settings.fused or (
+            settings.fused_where_exact and not unfusable and self.attention_dropout.p == 0
+            and attention_backend_name(getattr(config, "attention_backend", "auto")) in FUSED_ATTENTION_BACKENDS
+        )
         tp_group = _tensor_parallel_group(pg_collection)
         self.alibi = AlibiLayer(
             num_heads=config.num_attention_heads,
             tp_rank=tp_group.rank(),
             tp_size=tp_group.size(),
             causal=_causal(attn_mask_type),
-            fused=settings.fused,
+            fused=fused,
         )
         self.scale_mask_softmax.alibi = self.alibi
 

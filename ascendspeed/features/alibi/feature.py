@@ -14,6 +14,7 @@ from ascendspeed.features.base import (
     defaults_of,
     refuse_unsupported,
 )
+from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 
 UNSUPPORTED = (
     Unsupported("sft", "--sft", False, "packed sequences are not supported yet"),
@@ -40,12 +41,24 @@ UNSUPPORTED_FUSED = (
 )
 
 
+def _fused_by_backend(args: argparse.Namespace) -> bool:
+    """Megatron's ``--attention-backend`` ``auto`` (its default), ``flash`` or ``fused`` choose the fused kernel
+    wherever it computes what the local path computes: no attention dropout drawn (the kernel draws its own
+    mask) and nothing the fused path refuses. ``unfused`` and ``local`` keep the local path."""
+    if attention_backend_name(getattr(args, "attention_backend", "auto")) not in FUSED_ATTENTION_BACKENDS:
+        return False
+    if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0:
+        return False
+    return all(getattr(args, rule.dest, rule.default) == rule.default for rule in UNSUPPORTED_FUSED)
+
+
 class AlibiFeature(Feature[AlibiSettings]):
     name = "alibi"
     example_flags = ("--position-embedding-type", "alibi", "--alibi-fused-attention")
     megatron_arguments = {
         "position_embedding_type": "learned_absolute",
         "transformer_impl": "local",
+        "attention_backend": "auto",
         **defaults_of(UNSUPPORTED + UNSUPPORTED_FUSED),
     }
 
@@ -55,7 +68,10 @@ class AlibiFeature(Feature[AlibiSettings]):
             "--alibi-fused-attention", action="store_true",
             help="With --position-embedding-type alibi, compute attention with the fused kernel (ascendspeed's "
             "flash attention generating the bias inside, one fp32 logsumexp per query row saved; "
-            "npu_fusion_attention on NPU) instead of Megatron's local attention with the in-place bias operator.",
+            "npu_fusion_attention on NPU) instead of Megatron's local attention with the in-place bias operator. "
+            "Without the flag, --attention-backend auto (the default), flash or fused choose the fused kernel "
+            "where it computes the local path's function (no attention dropout, no document masks, sliding "
+            "windows or softmax offsets, no context parallelism); --attention-backend unfused keeps the local path.",
         )
 
     def extend_megatron_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -82,7 +98,8 @@ class AlibiFeature(Feature[AlibiSettings]):
             refuse_unsupported(args, UNSUPPORTED_FUSED, "--position-embedding-type alibi --alibi-fused-attention")
 
     def settings(self, args: argparse.Namespace) -> AlibiSettings:
-        return AlibiSettings(fused=bool(getattr(args, "alibi_fused_attention", False)))
+        return AlibiSettings(fused=bool(getattr(args, "alibi_fused_attention", False)),
+                             fused_where_exact=_fused_by_backend(args))
 
     def configure_transformer_config(self, config, settings: AlibiSettings) -> None:
         attention.mark_config(config, settings)

@@ -1,0 +1,231 @@
+"""Fused core attention (``--attention-backend auto|flash|fused``) on real megatron-core ``DotProductAttention``:
+every mask form against float64 and against Megatron's own materialised path (``--attention-backend
+unfused``), forward and backward, fp32 / bf16 / fp16; the calls that must keep Megatron's path; a GPT whose
+loss and gradients do not depend on the backend."""
+import argparse
+
+import pytest
+import torch
+
+from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+from ascendspeed.features import disable_features, enable_features, validate_features
+from ascendspeed.features.fused_attention.attention import MaskPlan, mask_plan, why_unfused
+
+FUSED_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+#: dtype -> relative tolerance against float64 (outputs; gradients get twice as much).
+TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    with mu.one_process_world():
+        enable_features(attention_backend="auto")
+        yield
+        disable_features(["fused_attention"])
+
+
+def attention(heads, groups, head_dim, dtype, mask_type=AttnMaskType.causal, backend=AttnBackend.auto, **overrides):
+    config = mu.TinyGPT(hidden_size=heads * head_dim, num_attention_heads=heads).config(
+        num_query_groups=groups, params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        attention_softmax_in_fp32=True, attention_backend=backend, **overrides)
+    return DotProductAttention(config, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+
+
+def causal(sq, sk):
+    return torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=1).view(1, 1, sq, sk)
+
+
+def block_diagonal_causal(batch, length, documents):
+    """Megatron-LM's --reset-attention-mask: causal within each document of a packed sequence, per sample."""
+    mask = causal(length, length).repeat(batch, 1, 1, 1)
+    for sample, ends in enumerate(documents):
+        for end in ends:
+            mask[sample, 0, end:, :end] = True
+    return mask
+
+
+def key_padding(batch, sq, sk, lengths):
+    """Padding masks as Megatron's BERT builds them: key j of sample b is masked beyond its length."""
+    mask = torch.zeros(batch, 1, sq, sk, dtype=torch.bool)
+    for sample, length in enumerate(lengths):
+        mask[sample, 0, :, length:] = True
+    return mask
+
+
+def reference(q, k, v, mask, scale):
+    """softmax(q k^T * scale, masked keys excluded) v in float64; [s, b, heads, d] in, [s, b, heads * d] out."""
+    groups = q.shape[2] // k.shape[2]
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def run(module, q, k, v, mask, grad):
+    """Output and input gradients of one call, and whether the fused kernel ran."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with torch.autograd.profiler.profile() as profile:
+        out = module(q, k, v, mask)
+        out.backward(grad)
+    fused = any(event.name == FUSED_KERNEL for event in profile.function_events)
+    return out, (q.grad, k.grad, v.grad), fused
+
+
+# name -> (heads, groups, sq, sk, mask type, mask builder(batch, sq, sk))
+CASES = {
+    "causal, no mask given": (4, 4, 24, 24, AttnMaskType.causal, lambda b, sq, sk: None),
+    "causal mask given": (4, 2, 24, 24, AttnMaskType.causal, lambda b, sq, sk: causal(sq, sk)),
+    "reset attention mask": (4, 4, 24, 24, AttnMaskType.causal,
+                             lambda b, sq, sk: block_diagonal_causal(b, sq, [[5, 17], [11]])),
+    "key padding": (2, 1, 16, 20, AttnMaskType.padding, lambda b, sq, sk: key_padding(b, sq, sk, [20, 7])),
+    "no mask": (4, 2, 8, 40, AttnMaskType.no_mask, lambda b, sq, sk: None),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_path_matches_float64_and_megatron(megatron_world, case, dtype):
+    heads, groups, sq, sk, mask_type, make_mask = CASES[case]
+    batch, head_dim = 2, 16
+    mask = make_mask(batch, sq, sk)
+    q = torch.randn(sq, batch, heads, head_dim).to(dtype)
+    k, v = (torch.randn(sk, batch, groups, head_dim).to(dtype) for _ in range(2))
+    grad = torch.randn(sq, batch, heads * head_dim).to(dtype)
+
+    fused_module = attention(heads, groups, head_dim, dtype, mask_type)
+    out, grads, fused_ran = run(fused_module, q, k, v, mask, grad)
+    megatron_out, megatron_grads, megatron_fused = run(
+        attention(heads, groups, head_dim, dtype, mask_type, backend=AttnBackend.unfused), q, k, v, mask, grad)
+    assert fused_ran and not megatron_fused
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference(*leaves, mask if mask is not None or mask_type != AttnMaskType.causal else causal(sq, sk),
+                         fused_module.softmax_scale)
+    expected.backward(grad.double())
+
+    tolerance = TOLERANCES[dtype]
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert mu.relative_error(out, expected) < tolerance
+    for actual, leaf in zip(grads, leaves):
+        assert mu.relative_error(actual, leaf.grad) < 2 * tolerance
+    # No worse than Megatron's own path, within a rounding step of the dtype.
+    assert mu.relative_error(out, expected) <= mu.relative_error(megatron_out, expected) + tolerance / 4
+    for actual, megatron, leaf in zip(grads, megatron_grads, leaves):
+        assert mu.relative_error(actual, leaf.grad) <= mu.relative_error(megatron, leaf.grad) + tolerance / 2
+
+
+def test_mask_plans():
+    assert mask_plan(True, None, 8, 8) == MaskPlan(causal=True)
+    assert mask_plan(True, None, 1, 8) == MaskPlan(causal=False)  # one query sees every key, as in Megatron
+    assert mask_plan(True, None, 4, 8) is None  # Megatron's default causal mask needs sq == sk
+    assert mask_plan(False, None, 4, 8) == MaskPlan(causal=False)
+    assert mask_plan(True, causal(8, 8), 8, 8) == MaskPlan(causal=True)
+    assert mask_plan(False, causal(8, 8).expand(3, 1, 8, 8), 8, 8) == MaskPlan(causal=True)
+    reset = block_diagonal_causal(2, 8, [[3], [5]])
+    plan = mask_plan(True, reset, 8, 8)
+    assert not plan.causal and torch.equal(plan.allowed, ~reset)
+    fully_masked_row = key_padding(2, 8, 8, [8, 0])
+    assert mask_plan(False, fully_masked_row, 8, 8) is None  # Megatron averages every value there
+    assert mask_plan(True, causal(8, 8).float(), 8, 8) is None
+
+
+def test_a_mask_changed_in_place_is_checked_again():
+    mask = causal(8, 8)
+    assert mask_plan(True, mask, 8, 8).causal
+    mask[0, 0, 7, 0] = True
+    assert not mask_plan(True, mask, 8, 8).causal
+
+
+def test_calls_the_fused_kernel_cannot_reproduce_keep_megatron_s_path(megatron_world):
+    heads, head_dim = 4, 8
+    q, k, v = (torch.randn(12, 2, heads, head_dim) for _ in range(3))
+
+    dropout = attention(heads, heads, head_dim, torch.float32, attention_dropout=0.1)
+    assert why_unfused(dropout, None, None, None) is not None
+    dropout.eval()
+    assert why_unfused(dropout, None, None, None) is None  # nothing is drawn in evaluation
+    for backend in (AttnBackend.unfused, AttnBackend.local):
+        assert "attention_backend" in why_unfused(attention(heads, heads, head_dim, torch.float32, backend=backend),
+                                                  None, None, None)
+    scaled = attention(heads, heads, head_dim, torch.float16, apply_query_key_layer_scaling=True)
+    assert why_unfused(scaled, None, None, None) is not None
+
+    # A row whose every key is masked: Megatron's -10000 fill averages all values; that is what runs.
+    module = attention(heads, heads, head_dim, torch.float32, AttnMaskType.padding)
+    mask = key_padding(2, 12, 12, [12, 0])
+    out, _, fused_ran = run(module, q, k, v, mask, torch.ones(12, 2, heads * head_dim))
+    assert not fused_ran and torch.isfinite(out).all()
+    torch.testing.assert_close(out[:, 1], v[:, 1].mean(0, keepdim=True).expand(12, -1, -1).flatten(1))
+
+
+def test_the_backend_flag_enables_the_feature():
+    def enabled(backend):
+        return "fused_attention" in [f.name for f in validate_features(argparse.Namespace(attention_backend=backend))]
+
+    assert all(enabled(backend) for backend in ("auto", "flash", "fused", AttnBackend.auto, AttnBackend.flash))
+    assert not any(enabled(backend) for backend in ("unfused", "local", AttnBackend.unfused, AttnBackend.local))
+    from ascendspeed.training.arguments import parse_args
+
+    assert parse_args([]).attention_backend == "auto"
+    assert parse_args(["--attention-backend", "local"]).attention_backend == "local"
+
+
+def test_gpt_loss_and_gradients_do_not_depend_on_the_backend(megatron_world, monkeypatch):
+    shape = mu.TinyGPT(num_layers=2, seq_length=32)
+    batch = mu.make_batch(shape, batch_size=4)
+    results = []
+    for backend in (AttnBackend.auto, AttnBackend.unfused):
+        for variable in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # a model sets them for TE
+            monkeypatch.delenv(variable, raising=False)
+        torch.manual_seed(mu.SEED)
+        model_parallel_cuda_manual_seed(mu.SEED)
+        model = mu.build_gpt_model(shape.config(attention_backend=backend), shape)
+        losses = mu.reference_forward_backward(model, batch, shape)
+        results.append((torch.stack(losses), mu.gradients([model])))
+    (fused_loss, fused_grads), (megatron_loss, megatron_grads) = results
+    torch.testing.assert_close(fused_loss, megatron_loss, rtol=1e-6, atol=0)
+    assert fused_grads.keys() == megatron_grads.keys()
+    for name in megatron_grads:
+        assert mu.relative_error(fused_grads[name], megatron_grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_thd_pack_attends_within_each_sequence(megatron_world, dtype):
+    """Transformer Engine's packed format, which Megatron's local attention refuses: [tokens, heads, d]
+    sequences one after another; tokens after the last boundary are one more sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    heads, groups, head_dim, bounds, total = 4, 2, 8, [0, 5, 12, 20], 23
+    module = attention(heads, groups, head_dim, dtype)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=8, max_seqlen_kv=8)
+    q = torch.randn(total, heads, head_dim).to(dtype).requires_grad_()
+    k, v = (torch.randn(total, groups, head_dim).to(dtype).requires_grad_() for _ in range(2))
+    out = module(q, k, v, None, packed_seq_params=packed)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pieces = [reference(*(t[start:end].unsqueeze(1) for t in leaves), None if end - start == 1 else
+                        causal(end - start, end - start), module.softmax_scale)
+              for start, end in zip(bounds + [20], bounds[1:] + [total])]
+    expected = torch.cat(pieces).squeeze(1)
+    expected.backward(grad.double())
+    tolerance = TOLERANCES[dtype]
+    assert out.shape == (total, heads * head_dim)
+    assert mu.relative_error(out, expected) < tolerance
+    for actual, leaf in zip((q, k, v), leaves):
+        assert mu.relative_error(actual.grad, leaf.grad) < 2 * tolerance
+
+    padded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             cu_seqlens_q_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32),
+                             cu_seqlens_kv_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="Packed sequence is not supported"):  # Megatron's own refusal
+        module(q, k, v, None, packed_seq_params=padded)
