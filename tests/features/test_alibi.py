@@ -353,3 +353,26 @@ def test_tensor_parallel_alibi_equals_one_rank_and_trains():
         assert "alibi" in result["features"]
         losses = result["train_losses"]
         assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+def test_fused_where_exact_applies_every_mask_as_given(megatron_world):
+    """Under Megatron's default --attention-backend auto ALiBi layers take the fused kernel, whose causal mask
+    is built in: a call with any other mask (documents) takes the local path and applies it."""
+    heads, head_dim, s, batch = 4, 8, 12, 2
+    config = mu.TinyGPT(hidden_size=heads * head_dim, num_attention_heads=heads).config()
+    mark_config(config, AlibiSettings(fused_where_exact=True))
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    local_config = mu.TinyGPT(hidden_size=heads * head_dim, num_attention_heads=heads).config()
+    mark_config(local_config, AlibiSettings())
+    local = DotProductAttention(local_config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                attention_type="self")
+    q, k, v = (torch.randn(s, batch, heads, head_dim) for _ in range(3))
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
+    documents = causal.clone().repeat(batch, 1, 1, 1)
+    documents[:, :, 5:, :5] = True
+    for mask, fused_expected in ((None, True), (causal, True), (documents, False)):
+        with torch.autograd.profiler.profile() as profile:
+            out = module(q, k, v, mask)
+        fused_ran = any(event.name == "ascendspeed::alibi_flash_attention" for event in profile.function_events)
+        assert fused_ran == fused_expected, mask
+        torch.testing.assert_close(out, local(q, k, v, causal if mask is None else mask), rtol=2e-5, atol=2e-6)

@@ -59,8 +59,9 @@ def train(distributed_optimizer: bool, reuse: bool, steps: int, shape: TinyGPT, 
 
     manager = PatchManager()
     if reuse:
+        # The reference runs Megatron's own attention: compare with it, not with fused attention.
         enable_features(manager=manager, bf16=True, reuse_fp32_param=True,
-                        use_distributed_optimizer=distributed_optimizer)
+                        use_distributed_optimizer=distributed_optimizer, attention_backend="unfused")
     try:
         initialize_parallel()
         config = shape.config(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
 from ascendspeed.ops.subnormals import flush_subnormals_in_backward, flushing_subnormals
@@ -66,6 +67,9 @@ class AlibiLayer:
     causal: bool
     fused: bool
     slopes: Optional[torch.Tensor] = None
+    #: Fused only where it is exact (``AlibiSettings.fused_where_exact``): a causal layer given a mask other
+    #: than the causal triangle (the kernel would ignore it) takes the local path for that call.
+    exact_only: bool = False
 
     def slopes_on(self, device: torch.device) -> torch.Tensor:
         if self.slopes is not None:
@@ -130,7 +134,7 @@ def wrap_attention_init(original):
         unfusable = self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None
         if settings.fused and unfusable:
             raise ValueError("fused ALiBi attention supports neither window_size nor softmax_type other than vanilla")
-        fused = settings.fused or (
+        exact_only = not settings.fused and (
             settings.fused_where_exact and not unfusable and self.attention_dropout.p == 0
             and attention_backend_name(getattr(config, "attention_backend", "auto")) in FUSED_ATTENTION_BACKENDS
         )
@@ -140,7 +144,8 @@ def wrap_attention_init(original):
             tp_rank=tp_group.rank(),
             tp_size=tp_group.size(),
             causal=_causal(attn_mask_type),
-            fused=fused,
+            fused=settings.fused or exact_only,
+            exact_only=exact_only,
         )
         self.scale_mask_softmax.alibi = self.alibi
 
@@ -179,7 +184,7 @@ def wrap_attention_forward(original):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         alibi = self.__dict__.get("alibi")
-        if alibi is None or not alibi.fused:
+        if alibi is None or not alibi.fused or _mask_needs_the_local_path(alibi, attention_mask, query, key):
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                             packed_seq_params)
         if packed_seq_params is not None or attention_bias is not None:
@@ -187,6 +192,14 @@ def wrap_attention_forward(original):
         return _fused_forward(self, alibi, query, key, value, attention_mask)
 
     return forward
+
+
+def _mask_needs_the_local_path(alibi: AlibiLayer, attention_mask, query, key) -> bool:
+    """A layer fused only where exact, called with a mask the causal kernel would not apply as given."""
+    if not alibi.exact_only or not alibi.causal or attention_mask is None:
+        return False
+    sq, sk = query.shape[0], key.shape[0]
+    return sq != sk or attention_mask.dtype != torch.bool or not is_plain_causal(attention_mask, sq, sk)
 
 
 def _fused_forward(self, alibi: AlibiLayer, query, key, value, attention_mask):

@@ -27,12 +27,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import weakref
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.patching import Patch, wrap
 
@@ -50,24 +50,6 @@ class MaskPlan:
     allowed: Optional[torch.Tensor] = None
 
 
-#: id(mask) -> (a weak reference to it, its version then, whether it is exactly the causal triangle): the
-#: layers of a model share each step's mask, so it is checked once per step. Tensors compare elementwise,
-#: so they are looked up by identity; an entry goes when its mask does.
-_PLAIN_CAUSAL: dict[int, tuple[weakref.ref, int, bool]] = {}
-
-
-def _is_plain_causal(mask: torch.Tensor, sq: int, sk: int) -> bool:
-    """Whether ``mask`` (True: masked out) is the causal triangle in every batch and head it spans."""
-    known = _PLAIN_CAUSAL.get(id(mask))
-    if known is not None and known[0]() is mask and known[1] == mask._version:
-        return known[2]
-    triangle = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu(diagonal=1)
-    answer = mask.shape[-2:] == (sq, sk) and bool(torch.equal(mask, triangle.expand_as(mask)))
-    key = id(mask)
-    _PLAIN_CAUSAL[key] = (weakref.ref(mask, lambda _, key=key: _PLAIN_CAUSAL.pop(key, None)), mask._version, answer)
-    return answer
-
-
 def mask_plan(causal_type: bool, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> Optional[MaskPlan]:
     """The fused kernel's form of Megatron's masking, or None where only Megatron's path is exact.
 
@@ -79,7 +61,7 @@ def mask_plan(causal_type: bool, attention_mask: Optional[torch.Tensor], sq: int
         return MaskPlan(causal=True) if sq == sk else None
     if attention_mask.dtype != torch.bool:
         return None
-    if sq == sk and _is_plain_causal(attention_mask, sq, sk):
+    if sq == sk and is_plain_causal(attention_mask, sq, sk):
         return MaskPlan(causal=True)
     if bool(attention_mask.all(dim=-1).any()):
         return None
