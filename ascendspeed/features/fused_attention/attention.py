@@ -37,6 +37,7 @@ from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.patching import Patch, wrap
 
+
 @dataclasses.dataclass(frozen=True)
 class FusedAttentionSettings:
     """The fused core attention has no options: ``config.attention_backend`` chooses per model."""
