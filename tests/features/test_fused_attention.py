@@ -237,3 +237,21 @@ def test_a_thd_pack_attends_within_each_sequence(megatron_world, dtype):
                              cu_seqlens_kv_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32))
     with pytest.raises(AssertionError, match="Packed sequence is not supported"):  # Megatron's own refusal
         module(q, k, v, None, packed_seq_params=padded)
+
+
+def test_a_thd_pack_with_attention_dropout_runs_the_kernel_s_dropout(megatron_world):
+    """Megatron's path refuses packs, so dropout in a pack is the kernel's (as in TE), drawn in the stream
+    Megatron's attention dropout uses."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    heads, head_dim, total = 2, 8, 16
+    module = attention(heads, heads, head_dim, torch.float32, attention_dropout=0.5)
+    cu_seqlens = torch.tensor([0, 7, 16], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+    q, k, v = (torch.randn(total, heads, head_dim) for _ in range(3))
+    module.eval()
+    without = module(q, k, v, None, packed_seq_params=packed)
+    module.train()
+    with_dropout = module(q, k, v, None, packed_seq_params=packed)
+    assert with_dropout.shape == without.shape and torch.isfinite(with_dropout).all()
+    assert not torch.allclose(with_dropout, without)

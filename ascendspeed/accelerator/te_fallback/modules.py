@@ -16,6 +16,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from ascendspeed.features.local_mla.attention import set_head_sizes
+from ascendspeed.ops.core_attention import packed_core_attention
 
 _WHERE = "Transformer Engine is not installed; ascendspeed builds megatron-core's local modules for its classes"
 
@@ -187,6 +188,12 @@ class LocalTEDotProductAttention(DotProductAttention):
                 packed_seq_params=None, num_splits=None):
         if num_splits is not None:
             raise ValueError(f"{_WHERE}: num_splits (flash-decoding) has no local equivalent")
+        if packed_seq_params is not None and query.dim() == 3 and attention_bias is None:
+            # TE's THD packs, which megatron-core's local attention refuses: on the fused kernel, with the
+            # pack's block-diagonal mask (ascendspeed.ops.core_attention).
+            context = packed_core_attention(self, query, key, value, packed_seq_params)
+            if context is not None:
+                return context
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 

@@ -27,29 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
+from ascendspeed.ops.core_attention import MaskPlan, fused_core_attention, packed_core_attention
 from ascendspeed.patching import Patch, wrap
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedAttentionSettings:
     """The fused core attention has no options: ``config.attention_backend`` chooses per model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MaskPlan:
-    """How the fused kernel applies a call's mask: the causal triangle, a boolean mask (True: may attend), or
-    nothing."""
-
-    causal: bool
-    allowed: Optional[torch.Tensor] = None
 
 
 def mask_plan(causal_type: bool, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> Optional[MaskPlan]:
@@ -70,28 +60,6 @@ def mask_plan(causal_type: bool, attention_mask: Optional[torch.Tensor], sq: int
     return MaskPlan(causal=False, allowed=attention_mask.logical_not())
 
 
-def _same_bounds(first: Optional[torch.Tensor], second: Optional[torch.Tensor]) -> bool:
-    return first is None or second is None or torch.equal(first.cpu(), second.cpu())
-
-
-def packed_plan(causal_type: bool, packed_seq_params, total: int, device: torch.device) -> Optional[MaskPlan]:
-    """The mask of a THD pack (sequences one after another, no batch dimension): each token attends to the
-    tokens of its own sequence (the earlier ones, in a causal layer); tokens after the last boundary form
-    one more sequence. None (Megatron's path, which refuses packs) where the pack has padding between its
-    sequences or different query and key boundaries."""
-    bounds = packed_seq_params.cu_seqlens_q
-    if bounds is None or not (_same_bounds(packed_seq_params.cu_seqlens_q_padded, bounds)
-                              and _same_bounds(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
-                              and _same_bounds(packed_seq_params.cu_seqlens_kv, bounds)):
-        return None
-    positions = torch.arange(total, device=device)
-    sequence = torch.searchsorted(bounds.to(device=device, dtype=torch.long)[1:], positions, right=True)
-    allowed = sequence[:, None] == sequence[None, :]
-    if causal_type:
-        allowed &= positions[:, None] >= positions[None, :]
-    return MaskPlan(causal=False, allowed=allowed.view(1, 1, total, total))
-
-
 def why_unfused(layer, attention_mask, attention_bias, packed_seq_params) -> Optional[str]:
     """Why this call of ``layer`` (a ``DotProductAttention``) keeps Megatron's path; None: it need not."""
     backend = attention_backend_name(getattr(layer.config, "attention_backend", "auto"))
@@ -103,41 +71,14 @@ def why_unfused(layer, attention_mask, attention_bias, packed_seq_params) -> Opt
         return "an attention bias"
     if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
         return f"packed sequences in the {packed_seq_params.qkv_format!r} format"
-    if layer.training and layer.attention_dropout.p > 0:
+    if layer.training and layer.attention_dropout.p > 0 and packed_seq_params is None:
+        # Megatron's path cannot run a pack at all: there the kernel draws the dropout mask (as TE's does).
         return "attention dropout draws its mask from Megatron's RNG tracker"
     if layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None:
         return "a softmax offset or a sliding window"
     if layer.config.apply_query_key_layer_scaling:
         return "query-key layer scaling"
     return None
-
-
-def _npu_fusion_attention(query, key, value, plan: MaskPlan, scale: float) -> torch.Tensor:
-    """torch_npu's fused attention in its [s, b, heads * d] layout (grouped keys and values included)."""
-    torch_npu = importlib.import_module("torch_npu")
-    sq, batch, heads, _ = query.shape
-    sk = key.shape[0]
-    if plan.causal:
-        masked = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(diagonal=1)
-    else:
-        masked = None if plan.allowed is None else plan.allowed.logical_not()
-    return torch_npu.npu_fusion_attention(
-        query.reshape(sq, batch, -1), key.reshape(sk, batch, -1), value.reshape(sk, batch, -1), heads, "SBH",
-        atten_mask=masked, scale=scale, keep_prob=1.0, sparse_mode=0)[0]
-
-
-def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tensor:
-    """[sq, b, heads, d] query, [sk, b, groups, d] key and value in; [sq, b, heads * d_v] out, like Megatron."""
-    sq, batch = query.shape[:2]
-    if query.device.type == "npu":
-        return _npu_fusion_attention(query, key, value, plan, layer.softmax_scale)
-    groups = query.shape[2] // key.shape[2]
-    q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
-                                             scale=layer.softmax_scale)
-    return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
 
 
 #: Dtypes in which torch's CPU flash attention (forward + backward, causal) is slower than Megatron's
@@ -157,20 +98,17 @@ def wrap_attention_forward(original):
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        reason = why_unfused(self, attention_mask, attention_bias, packed_seq_params)
+        if reason is None and packed_seq_params is not None and query.dim() == 3:
+            context = packed_core_attention(self, query, key, value, packed_seq_params)
+            if context is not None:
+                return context
         plan = None
-        causal_type = self.attn_mask_type.name == "causal"
-        packed = packed_seq_params is not None and query.dim() == 3
-        if why_unfused(self, attention_mask, attention_bias, packed_seq_params) is None:
-            if packed:
-                plan = packed_plan(causal_type, packed_seq_params, query.shape[0], query.device)
-            elif packed_seq_params is None and not _megatron_is_faster(query):
-                plan = mask_plan(causal_type, attention_mask, query.shape[0], key.shape[0])
+        if reason is None and packed_seq_params is None and not _megatron_is_faster(query):
+            plan = mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
         if plan is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                             packed_seq_params)
-        if packed:  # [t, heads, d], as TE takes a THD pack; [t, heads * d] out, as TE returns it
-            query, key, value = (tensor.unsqueeze(1) for tensor in (query, key, value))
-            return fused_core_attention(self, query, key, value, plan).squeeze(1)
         return fused_core_attention(self, query, key, value, plan)
 
     return forward

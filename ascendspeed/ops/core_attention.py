@@ -1,0 +1,95 @@
+"""Core attention on the device's fused kernel: torch's ``scaled_dot_product_attention`` (flash attention on
+CPU and CUDA) or, on Ascend NPUs, torch_npu's ``npu_fusion_attention``, in megatron-core's layouts, with the
+mask given as a ``MaskPlan``. Used by the fused-attention feature (``ascendspeed.features.fused_attention``)
+and by the Transformer Engine stand-in's attention for THD packs (``accelerator.te_fallback``).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskPlan:
+    """How the fused kernel applies a call's mask: the causal triangle, a boolean mask (True: may attend), or
+    nothing."""
+
+    causal: bool
+    allowed: Optional[torch.Tensor] = None
+
+
+def _same_bounds(first: Optional[torch.Tensor], second: Optional[torch.Tensor]) -> bool:
+    return first is None or second is None or torch.equal(first.cpu(), second.cpu())
+
+
+def packed_plan(causal_type: bool, packed_seq_params, total: int, device: torch.device) -> Optional[MaskPlan]:
+    """The mask of a THD pack (sequences one after another, no batch dimension): each token attends to the
+    tokens of its own sequence (the earlier ones, in a causal layer); tokens after the last boundary form
+    one more sequence. None (Megatron's path, which refuses packs) where the pack has padding between its
+    sequences or different query and key boundaries."""
+    bounds = packed_seq_params.cu_seqlens_q
+    if bounds is None or not (_same_bounds(packed_seq_params.cu_seqlens_q_padded, bounds)
+                              and _same_bounds(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
+                              and _same_bounds(packed_seq_params.cu_seqlens_kv, bounds)):
+        return None
+    positions = torch.arange(total, device=device)
+    sequence = torch.searchsorted(bounds.to(device=device, dtype=torch.long)[1:], positions, right=True)
+    allowed = sequence[:, None] == sequence[None, :]
+    if causal_type:
+        allowed &= positions[:, None] >= positions[None, :]
+    return MaskPlan(causal=False, allowed=allowed.view(1, 1, total, total))
+
+
+def _npu_fusion_attention(query, key, value, plan: MaskPlan, scale: float, dropout_p: float) -> torch.Tensor:
+    """torch_npu's fused attention in its [s, b, heads * d] layout (grouped keys and values included)."""
+    torch_npu = importlib.import_module("torch_npu")
+    sq, batch, heads, _ = query.shape
+    sk = key.shape[0]
+    if plan.causal:
+        masked = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(diagonal=1)
+    else:
+        masked = None if plan.allowed is None else plan.allowed.logical_not()
+    return torch_npu.npu_fusion_attention(
+        query.reshape(sq, batch, -1), key.reshape(sk, batch, -1), value.reshape(sk, batch, -1), heads, "SBH",
+        atten_mask=masked, scale=scale, keep_prob=1.0 - dropout_p, sparse_mode=0)[0]
+
+
+def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tensor:
+    """[sq, b, heads, d] query, [sk, b, groups, d] key and value in; [sq, b, heads * d_v] out, like Megatron."""
+    sq, batch = query.shape[:2]
+    dropout_p = layer.attention_dropout.p if layer.training else 0.0
+    rng = contextlib.nullcontext()
+    if dropout_p > 0 and not layer.config.sequence_parallel:  # Megatron's choice of stream for attention dropout
+        from megatron.core import tensor_parallel
+
+        rng = tensor_parallel.get_cuda_rng_tracker().fork()
+    if query.device.type == "npu":
+        with rng:
+            return _npu_fusion_attention(query, key, value, plan, layer.softmax_scale, dropout_p)
+    groups = query.shape[2] // key.shape[2]
+    q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with rng:
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
+                                                 dropout_p=dropout_p, scale=layer.softmax_scale)
+    return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+
+
+def packed_core_attention(layer, query, key, value, packed_seq_params) -> Optional[torch.Tensor]:
+    """A THD pack's attention ([t, heads, d] in, [t, heads * d] out, as Transformer Engine takes and returns
+    it), or None where the kernel would not compute what the layer asks (a sliding window, a softmax offset,
+    query-key layer scaling) or ``packed_plan`` leaves the pack to Megatron's path (which refuses it)."""
+    if (layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None
+            or layer.config.apply_query_key_layer_scaling):
+        return None
+    plan = packed_plan(layer.attn_mask_type.name == "causal", packed_seq_params, query.shape[0], query.device)
+    if plan is None:
+        return None
+    query, key, value = (tensor.unsqueeze(1) for tensor in (query, key, value))
+    return fused_core_attention(layer, query, key, value, plan).squeeze(1)
