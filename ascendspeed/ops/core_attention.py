@@ -59,15 +59,30 @@ def _npu_fusion_attention(query, key, value, plan: MaskPlan, scale: float, dropo
         atten_mask=masked, scale=scale, keep_prob=1.0 - dropout_p, sparse_mode=0)[0]
 
 
+def unsupported_by_kernel(layer) -> Optional[str]:
+    """What of ``layer`` (a ``DotProductAttention``) a fused kernel here does not compute, or None."""
+    if layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None:
+        return "a softmax offset or a sliding window"
+    if layer.config.apply_query_key_layer_scaling:
+        return "query-key layer scaling"
+    return None
+
+
+def attention_dropout(layer) -> tuple[float, contextlib.AbstractContextManager]:
+    """The dropout probability of this call of ``layer`` and the RNG stream to draw it in: Megatron's forked
+    model-parallel stream, except with sequence parallelism (as Megatron's DotProductAttention chooses)."""
+    dropout_p = layer.attention_dropout.p if layer.training else 0.0
+    if dropout_p > 0 and not layer.config.sequence_parallel:
+        from megatron.core import tensor_parallel
+
+        return dropout_p, tensor_parallel.get_cuda_rng_tracker().fork()
+    return dropout_p, contextlib.nullcontext()
+
+
 def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tensor:
     """[sq, b, heads, d] query, [sk, b, groups, d] key and value in; [sq, b, heads * d_v] out, like Megatron."""
     sq, batch = query.shape[:2]
-    dropout_p = layer.attention_dropout.p if layer.training else 0.0
-    rng = contextlib.nullcontext()
-    if dropout_p > 0 and not layer.config.sequence_parallel:  # Megatron's choice of stream for attention dropout
-        from megatron.core import tensor_parallel
-
-        rng = tensor_parallel.get_cuda_rng_tracker().fork()
+    dropout_p, rng = attention_dropout(layer)
     if query.device.type == "npu":
         with rng:
             return _npu_fusion_attention(query, key, value, plan, layer.softmax_scale, dropout_p)
@@ -85,8 +100,7 @@ def packed_core_attention(layer, query, key, value, packed_seq_params) -> Option
     """A THD pack's attention ([t, heads, d] in, [t, heads * d] out, as Transformer Engine takes and returns
     it), or None where the kernel would not compute what the layer asks (a sliding window, a softmax offset,
     query-key layer scaling) or ``packed_plan`` leaves the pack to Megatron's path (which refuses it)."""
-    if (layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None
-            or layer.config.apply_query_key_layer_scaling):
+    if unsupported_by_kernel(layer) is not None:
         return None
     plan = packed_plan(layer.attn_mask_type.name == "causal", packed_seq_params, query.shape[0], query.device)
     if plan is None:

@@ -14,7 +14,6 @@ self-attention ``DotProductAttention`` built from such a config holds an ``Alibi
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -25,6 +24,7 @@ import torch
 from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.ops.alibi import alibi_attention, alibi_bias_, local_alibi_slopes
+from ascendspeed.ops.core_attention import attention_dropout
 from ascendspeed.ops.subnormals import flush_subnormals_in_backward, flushing_subnormals
 from ascendspeed.patching import Patch, wrap
 
@@ -208,17 +208,12 @@ def _fused_forward(self, alibi: AlibiLayer, query, key, value, attention_mask):
     Causal layers ignore ``attention_mask`` and use the kernel's causal mask, as Megatron's fused
     backends do for the causal mask type (validation refuses --reset-attention-mask with this path).
     """
-    from megatron.core import tensor_parallel
-
     sq, batch = query.shape[:2]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    dropout_p = self.attention_dropout.p if self.training else 0.0
-    rng = contextlib.nullcontext()
-    if dropout_p > 0 and not self.config.sequence_parallel:
-        rng = tensor_parallel.get_cuda_rng_tracker().fork()
+    dropout_p, rng = attention_dropout(self)
     with rng:
         context = alibi_attention(
             q, k, v, alibi.slopes_on(q.device),

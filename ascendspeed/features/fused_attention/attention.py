@@ -10,8 +10,9 @@ averages all values, the kernels do not): such rows keep Megatron's path.
 The fused kernel runs when the layer's ``config.attention_backend`` is ``auto`` (Megatron's default),
 ``flash`` or ``fused`` and the call needs nothing the kernel lacks; otherwise Megatron's own forward
 runs: ALiBi layers (their bias is added by the alibi feature's paths), an ``attention_bias``, packs
-other than THD packs without padding, dropout that would draw a mask (training with ``attention_dropout > 0``: Megatron draws it
-from its RNG tracker, element by element, in a layout the kernels do not reproduce), sliding windows,
+other than THD packs without padding, dropout that would draw a mask (training with
+``attention_dropout > 0``: Megatron draws it from its RNG tracker, element by element, in a layout the
+kernels do not reproduce), sliding windows,
 softmax offsets, query-key layer scaling, a causal mask between different query and key lengths, and
 masks that are not boolean; and on the CPU, bf16 and fp16, where torch's flash kernel is the slower one
 (``CPU_REDUCED_PRECISION``).
@@ -33,7 +34,7 @@ import torch
 
 from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
-from ascendspeed.ops.core_attention import MaskPlan, fused_core_attention, packed_core_attention
+from ascendspeed.ops.core_attention import MaskPlan, fused_core_attention, packed_core_attention, unsupported_by_kernel
 from ascendspeed.patching import Patch, wrap
 
 
@@ -74,11 +75,7 @@ def why_unfused(layer, attention_mask, attention_bias, packed_seq_params) -> Opt
     if layer.training and layer.attention_dropout.p > 0 and packed_seq_params is None:
         # Megatron's path cannot run a pack at all: there the kernel draws the dropout mask (as TE's does).
         return "attention dropout draws its mask from Megatron's RNG tracker"
-    if layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None:
-        return "a softmax offset or a sliding window"
-    if layer.config.apply_query_key_layer_scaling:
-        return "query-key layer scaling"
-    return None
+    return unsupported_by_kernel(layer)
 
 
 #: Dtypes in which torch's CPU flash attention (forward + backward, causal) is slower than Megatron's
