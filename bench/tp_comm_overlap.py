@@ -9,11 +9,15 @@ joined by a rate-limited veth pair (``async_ddp.py``'s link); without root they 
 
     sudo python bench/tp_comm_overlap.py --json bench/results/tp_comm_overlap.json \\
         --plot sources/images/tp_comm_overlap.png
+    sudo python bench/tp_comm_overlap.py --rate-mbit 750 --steps 20 \\
+        --json bench/results/tp_comm_overlap_750mbit.json --timeline sources/images/tp_comm_overlap_timeline.png
 
 Reported for rank 0, medians over the measured steps (and lower quartiles, the quieter machine):
   step time of plain TP 2 and of CoC at each chunk count, and their ratio;
   the CoC steps' TP communication time, its exposed part (time blocked waiting) and the hidden fraction
   (telemetry: ``1 - exposed / communication``).
+With ``--timeline``, one more step per setting runs under torch.profiler and is drawn: rank 0's aten
+operators on its main thread over the gloo collectives in flight.
 """
 from __future__ import annotations
 
@@ -58,7 +62,6 @@ def worker(options) -> None:
     import torch.distributed as dist
 
     from ascendspeed.features import apply_features
-    from ascendspeed.patching import MANAGER
     from ascendspeed.training.arguments import parse_args
     from ascendspeed.training.initialize import initialize_parallel, teardown
     from ascendspeed.training.trainer import Trainer
@@ -73,10 +76,7 @@ def worker(options) -> None:
     for step in range(options.warmup + options.steps):
         shift = step % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            MANAGER.revert(applied.name)
-            if mode != PLAIN:
-                settings = dataclasses.replace(applied.settings, chunks=int(mode))
-                MANAGER.apply(applied.name, applied.feature.patches(settings, applied.state))
+            select_mode(applied, mode)
             dist.barrier()
             recorder.take()
             start = time.perf_counter()
@@ -87,10 +87,60 @@ def worker(options) -> None:
                 steps[mode].append({"step_time": elapsed, "comm": totals.communication_s,
                                     "exposed": totals.exposed_s, "collectives": totals.collectives,
                                     "bytes": totals.communicated_bytes})
+    timelines = {mode: profiled_step(trainer, applied, mode) for mode in modes} if options.timeline else {}
     teardown(state)
     if int(os.environ["RANK"]) == 0:
         with open(options.output, "w") as handle:
-            json.dump({"steps": steps}, handle)
+            json.dump({"steps": steps, "timelines": timelines}, handle)
+
+
+def select_mode(applied, mode: str) -> None:
+    """Plain TP (the chunked linears' patches reverted) or CoC at ``mode`` chunks."""
+    from ascendspeed.patching import MANAGER
+
+    MANAGER.revert(applied.name)
+    if mode != PLAIN:
+        settings = dataclasses.replace(applied.settings, chunks=int(mode))
+        MANAGER.apply(applied.name, applied.feature.patches(settings, applied.state))
+
+
+def is_outermost_aten(event) -> bool:
+    if not event.name.startswith("aten::"):
+        return False
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def profiled_step(trainer, applied, mode: str) -> dict:
+    """One more step of ``mode`` under torch.profiler: when this rank's main thread ran aten operators (the
+    outermost ones; a wait for a collective is none) and when a gloo collective was in flight (gloo's threads
+    record theirs), in ms from the step's start."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    select_mode(applied, mode)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        with record_function("timed step"):
+            trainer.train_step()
+    events = profiler.events()
+    (step,) = [event for event in events if event.name == "timed step"]
+    origin = step.time_range.start
+
+    def ms(event):
+        return [(event.time_range.start - origin) / 1e3, (event.time_range.end - origin) / 1e3]
+
+    return {
+        "step_ms": (step.time_range.end - origin) / 1e3,
+        "compute": [ms(event) for event in events if event.thread == step.thread and is_outermost_aten(event)],
+        "collectives": [ms(event) + [event.name.removeprefix("gloo:")] for event in events
+                        if event.name.startswith("gloo:") and step.time_range.start <= event.time_range.start
+                        <= step.time_range.end],
+    }
 
 
 def launch(options, link: bool) -> dict:
@@ -118,7 +168,7 @@ def launch(options, link: bool) -> dict:
 def forwarded(options) -> list:
     names = ("num_layers", "hidden_size", "heads", "seq_length", "micro_batch_size", "warmup", "steps")
     flags = [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
-    return flags + ["--chunks", *map(str, options.chunks)]
+    return flags + ["--chunks", *map(str, options.chunks)] + (["--timeline", options.timeline] if options.timeline else [])
 
 
 def analyse(measured: dict, q: float = 0.5) -> dict:
@@ -189,6 +239,46 @@ def plot(numbers: dict, path: str) -> None:
     figure.savefig(path, dpi=120)
 
 
+def plot_timeline(timelines: dict, numbers: dict, path: str) -> None:
+    """One profiled step per setting: the main thread's operators over the TP collectives in flight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ascendspeed.features.timing import covered_seconds
+
+    colours = {"all_gather": "#dd8452", "all_reduce": "#c44e52", "reduce_scatter": "#8172b3"}
+    span = max(timeline["step_ms"] for timeline in timelines.values())
+    figure, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.35 * len(timelines) + 0.8), sharex=True)
+    for axis, (mode, timeline) in zip(axes, timelines.items()):
+        compute = timeline["compute"]
+        axis.broken_barh([(start, end - start) for start, end in compute], (1.1, 0.7), color="#4c72b0")
+        for start, end, name in timeline["collectives"]:
+            axis.broken_barh([(start, end - start)], (0.2, 0.7), color=colours.get(name, "#8c8c8c"))
+        busy = covered_seconds(compute)  # any unit
+        name = "plain TP 2" if mode == PLAIN else f"CoC {mode} chunks"
+        detail = f"step {timeline['step_ms']:.0f} ms, operators {busy:.0f} ms"
+        if mode != PLAIN:
+            detail += f" | median step {numbers['coc'][mode]['step_s'] * 1e3:.0f} ms, " \
+                      f"{numbers['coc'][mode]['hidden_fraction'] * 100:.0f} % of TP comm hidden"
+        else:
+            detail += f" | median step {numbers['plain_step_s'] * 1e3:.0f} ms"
+        axis.set_title(f"{name}: {detail}", fontsize=9, loc="left")
+        axis.set_yticks([0.55, 1.45], ["TP comm", "operators"])
+        axis.set_ylim(0, 2)
+        axis.set_xlim(0, span * 1.01)
+    present = {name for timeline in timelines.values() for *_, name in timeline["collectives"]}
+    shown = {"main thread in an operator": "#4c72b0"}
+    shown.update({name.replace("_", "-"): colour for name, colour in colours.items() if name in present})
+    axes[0].legend([plt.Rectangle((0, 0), 1, 1, color=colour) for colour in shown.values()], list(shown),
+                   fontsize=7, ncol=len(shown), loc="upper right")
+    axes[-1].set_xlabel("ms since the step's start (rank 0, one profiled step per setting; gaps in the operator "
+                        "lane: Python or waiting)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-mbit", type=float, default=1000.0, help="veth rate each way")
@@ -204,6 +294,8 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the numbers and the raw steps here")
     parser.add_argument("--plot", default=None, help="write the figure here")
+    parser.add_argument("--timeline", default=None,
+                        help="profile one more step per setting and draw its timeline here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -239,6 +331,8 @@ def main(argv=None) -> int:
                        "quiet": quiet, "measured": measured}, handle, indent=1)
     if options.plot:
         plot(numbers, options.plot)
+    if options.timeline:
+        plot_timeline(measured["timelines"], numbers, options.timeline)
     return 0
 
 

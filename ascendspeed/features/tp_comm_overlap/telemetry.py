@@ -49,7 +49,7 @@ class TpCommRecorder:
 
     def _reset(self) -> None:
         self._intervals = []
-        self._exposed = 0.0
+        self._blocked = []
         self._bytes = 0
 
     def issued(self, work, nbytes: int) -> list:
@@ -69,17 +69,26 @@ class TpCommRecorder:
     def waited(self, slot: list, started: float) -> None:
         finished = time.perf_counter()
         with self._lock:
-            self._exposed += finished - started
+            self._blocked.append((started, finished))
             if slot[1] is None:
                 slot[1] = finished
+
+    def timeline(self) -> tuple[list, list]:
+        """The window so far as ``perf_counter`` intervals: collectives in flight, waits that blocked."""
+        with self._lock:
+            return self._window()
 
     def take(self) -> TpCommOverlap:
         """The totals of the window that ends now; a new window starts."""
         with self._lock:
-            intervals = [(start, end) for start, end in self._intervals if end is not None]
-            totals = TpCommOverlap(len(intervals), self._bytes, covered_seconds(intervals), self._exposed)
+            in_flight, blocked = self._window()
+            exposed = sum(end - start for start, end in blocked)
+            totals = TpCommOverlap(len(in_flight), self._bytes, covered_seconds(in_flight), exposed)
             self._reset()
         return totals
+
+    def _window(self) -> tuple[list, list]:
+        return [(start, end) for start, end in self._intervals if end is not None], list(self._blocked)
 
 
 class TpCommOverlapReport(OverlapReport):
