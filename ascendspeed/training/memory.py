@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import sys
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -40,14 +40,19 @@ class MemoryAccount:
     def bytes_per_parameter(self) -> float:
         return self.per_parameter(self.total)
 
-    def line(self) -> str:
+    def line(self, activation_bytes: Optional[int] = None) -> str:
+        """The account as one line; ``activation_bytes``: the activations of a step at their peak (what
+        autograd kept for backward), appended."""
         parts = ", ".join(
             f"{name} {_megabytes(value)} ({self.per_parameter(value):.2f} B/param)"
             for name, value in zip(CATEGORIES, (self.model_weights, self.main_weights, self.gradients,
                                                 self.optimizer_state))
         )
-        return (f"memory per rank: {parts}; total {_megabytes(self.total)} for {self.parameters:,} parameters "
+        line = (f"memory per rank: {parts}; total {_megabytes(self.total)} for {self.parameters:,} parameters "
                 f"({self.bytes_per_parameter:.2f} bytes per parameter)")
+        if activation_bytes is not None:
+            line += f"; activations {_megabytes(activation_bytes)} at the step's peak (saved for backward)"
+        return line
 
 
 def _megabytes(value: int) -> str:

@@ -51,9 +51,11 @@ class ProgressLog:
         return len(self.interval_losses)
 
     def line(self, iteration: int, learning_rate: float, grad_norm: Optional[float],
-             loss_scale: Optional[float] = None, extras: Optional[dict] = None) -> dict:
+             loss_scale: Optional[float] = None, extras: Optional[dict] = None,
+             activation_bytes: Optional[int] = None) -> dict:
         """Close the interval; returns its statistics and prints the progress line on rank 0. ``extras``: other
-        interval means by name (the MoE routers' auxiliary losses), shown after the learning rate."""
+        interval means by name (the MoE routers' auxiliary losses), shown after the learning rate;
+        ``activation_bytes``: the activations of the interval's measured step at their peak."""
         extras = extras or {}
         now = time.perf_counter()
         iterations = len(self.interval_losses)
@@ -72,6 +74,8 @@ class ProgressLog:
             "eta": eta,
             **extras,
         }
+        if activation_bytes is not None:
+            stats["activations_MiB"] = activation_bytes / 2**20
         width = len(str(self.train_iters))
         parts = [
             f"iteration {iteration:>{width}}/{self.train_iters}",
@@ -85,6 +89,8 @@ class ProgressLog:
             parts.append(f"loss scale {loss_scale:.0f}")
         if self.interval_skipped:
             parts.append(f"skipped {self.interval_skipped}")
+        if activation_bytes is not None:
+            parts.append(f"activations {activation_bytes / 2**20:.1f} MiB")
         parts += [
             f"{stats['tokens_per_second']:,.0f} tokens/s",
             f"elapsed {format_duration(elapsed)}",

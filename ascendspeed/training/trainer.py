@@ -27,6 +27,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from ascendspeed.features import AppliedFeature, all_features, apply_features, disable_features
 from ascendspeed.patching import MANAGER
 from ascendspeed.training import checkpointing, memory, moe_metrics, watchdog
+from ascendspeed.training.activations import SavedTensorAccount, model_state_tensors
 from ascendspeed.training.data import (
     DEFAULT_TEXT,
     Batch,
@@ -68,6 +69,8 @@ class EvalResult:
 class TrainResult:
     """What a run did. ``losses[i]`` is the training loss of iteration ``start_iteration + i + 1``.
 
+    ``activations``: (iteration, bytes) of the steps whose activations were measured (the first step of the run
+    and of every logging interval): what autograd kept for backward, at the step's peak, on this rank.
     ``telemetry``: what the enabled features report over the run's training steps, summed over all ranks,
     by their telemetry's key (e.g. ``cp_ring`` with ``--log-cp-ring-overlap``); ``progress`` entries carry
     each interval's under the same key.
@@ -86,6 +89,7 @@ class TrainResult:
     features: list[str]
     checkpoint: Optional[str] = None
     memory_account: Optional[memory.MemoryAccount] = None
+    activations: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     peak_resident_bytes: int = 0
     telemetry: dict = dataclasses.field(default_factory=dict)
 
@@ -387,20 +391,25 @@ class Trainer:
         validation = [(start, self.periodic_validation())]
         log = ProgressLog(args.train_iters, start, self.tokens_per_iteration)
         reports = [report for report in (feature.telemetry() for feature in features) if report is not None]
-        losses, learning_rates, progress = [], [], []
+        losses, learning_rates, progress, activations = [], [], [], []
         checkpoint = None
         while self.iteration < args.train_iters:
             learning_rates.append(self.learning_rate())
             for report in reports:
                 report.step_started()
-            loss, grad_norm, updated = self.train_step()
+            measured = self.iteration == start or self.iteration % args.log_interval == 0
+            account = SavedTensorAccount(model_state_tensors(self.model)) if measured else None
+            with account.recording() if measured else contextlib.nullcontext():
+                loss, grad_norm, updated = self.train_step()
+            if measured:
+                activations.append((self.iteration, account.peak))
             for report in reports:
                 report.step_finished()
             if args.check_for_nan_in_loss_and_grad:
                 self._stop_if_diverged(loss, grad_norm if updated else None)
             if self.memory is None:  # torch allocates the optimizer state in the first step
                 self.memory = memory.account(self.model, self.optimizer)
-                print_rank_0(self.memory.line())
+                print_rank_0(self.memory.line(activation_bytes=activations[-1][1]))
             losses.append(loss)
             log.record(loss, skipped=not updated)
             done = self.iteration == args.train_iters
@@ -408,7 +417,8 @@ class Trainer:
                 loss_scale = self.optimizer.get_loss_scale().item() if args.fp16 else None
                 aux_losses = moe_metrics.aux_losses(args.num_microbatches * log.interval_iterations,
                                                     args.num_layers) if args.num_experts else None
-                progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale, aux_losses))
+                progress.append(log.line(self.iteration, learning_rates[-1], grad_norm, loss_scale, aux_losses,
+                                         activation_bytes=activations[-1][1]))
                 for report in reports:
                     progress[-1][report.key] = report.close_interval(self.iteration)
             if args.eval_interval and self.iteration % args.eval_interval == 0 and not done:
@@ -438,6 +448,7 @@ class Trainer:
             features=names,
             checkpoint=checkpoint,
             memory_account=self.memory,
+            activations=activations,
             peak_resident_bytes=memory.peak_resident_bytes(),
             telemetry=telemetry,
         )

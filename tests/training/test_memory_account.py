@@ -33,3 +33,24 @@ def test_line_reports_bytes_per_parameter():
     assert account.bytes_per_parameter == 14.0
     line = account.line()
     assert line.startswith("memory per rank: model weights") and line.endswith("(14.00 bytes per parameter)")
+
+
+def test_nested_activation_accounts_count_what_autograd_keeps():
+    from ascendspeed.training.activations import SavedTensorAccount
+
+    weight = torch.randn(64, 64, requires_grad=True)
+    outer, inner = SavedTensorAccount(excluded=[weight]), SavedTensorAccount(excluded=[weight])
+    x = torch.randn(32, 64, requires_grad=True)
+    with outer.recording():
+        hidden = (x @ weight).tanh()        # saves x (8 KiB) and the tanh output (8 KiB); the weight is excluded
+        with inner.recording():
+            loss = (hidden * hidden).sum()  # saves hidden: new to inner, already kept by tanh for outer
+        assert (inner.live, outer.live) == (8192, 2 * 8192)
+    loss.backward()
+    assert (inner.live, inner.peak, outer.live, outer.peak) == (0, 8192, 0, 2 * 8192)
+
+
+def test_line_appends_the_activations_of_a_step():
+    account = MemoryAccount(parameters=1000, model_weights=2000, main_weights=0, gradients=2000, optimizer_state=8000)
+    assert account.line(activation_bytes=3 * 2**20).endswith(
+        "(12.00 bytes per parameter); activations 3.00 MiB at the step's peak (saved for backward)")

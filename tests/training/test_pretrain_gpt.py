@@ -22,7 +22,8 @@ TINY = [
 ]
 
 PROGRESS = re.compile(
-    r"^iteration +(\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| grad norm \S+ \| ([\d,]+) tokens/s \| "
+    r"^iteration +(\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| grad norm \S+ \| activations \d+\.\d MiB \| "
+    r"([\d,]+) tokens/s \| "
     r"elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$",
     re.MULTILINE,
 )

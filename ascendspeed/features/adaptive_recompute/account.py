@@ -1,81 +1,17 @@
-"""What autograd keeps for backward, counted exactly: a saved-tensor hook sees every tensor an operation saves,
-and the wrapper it returns lives exactly as long as autograd keeps the tensor. A storage saved several times
-counts once, while any of its savers lives; weights and gradient buffers (a linear saves its weight) are not
-activations and are left out. Per-layer bytes are the growth of the live total across a layer's forward.
-"""
+"""Per-module views of the saved-tensor account (``training.activations``): what each layer, core attention
+and MLP keeps for backward, and how long its forward takes."""
 from __future__ import annotations
 
-import contextlib
 import time
-from typing import Iterable, Optional
 
 import torch
+
+from ascendspeed.training.activations import SavedTensorAccount
 
 
 def _in_backward() -> bool:
     """Whether autograd's engine is running on this thread (a recomputation inside backward)."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _storage_key(tensor: torch.Tensor) -> Optional[tuple]:
-    storage = tensor.untyped_storage()
-    pointer = storage.data_ptr()
-    return (tensor.device, pointer) if pointer else None
-
-
-class _Saved:
-    __slots__ = ("tensor", "key", "account")
-
-    def __init__(self, tensor, key, account):
-        self.tensor, self.key, self.account = tensor, key, account
-
-    def __del__(self):
-        self.account._release(self.key)
-
-
-class SavedTensorAccount:
-    """Live and peak bytes of the activations autograd keeps, while ``recording()`` is active."""
-
-    def __init__(self, excluded: Iterable[torch.Tensor] = ()):
-        self._excluded = {key for key in (_storage_key(t) for t in excluded if t is not None) if key}
-        self._savers: dict = {}
-        self.live = 0
-        self.peak = 0
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def _pack(self, tensor: torch.Tensor):
-        key = _storage_key(tensor)
-        if key is None or key in self._excluded:
-            return tensor
-        entry = self._savers.get(key)
-        if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
-            self._savers[key] = [1, nbytes]
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-        return _Saved(tensor, key, self)
-
-    @staticmethod
-    def _unpack(saved):
-        return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def _release(self, key) -> None:
-        entry = self._savers.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._savers[key]
-
-    @contextlib.contextmanager
-    def recording(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
 
 
 class ModuleProbe:
