@@ -44,8 +44,8 @@ def _brute_force(chunks, units, allowed):
             prefixes.add(full)
         if not valid or len(prefixes) > 1:
             continue
-        plan = solver.plan_of(flat, options)
-        if plan.saved_bytes * units <= allowed and (best is None or plan.recompute_seconds < best.recompute_seconds):
+        plan = solver.plan_of(chunks, options, units)
+        if plan.peak_bytes <= allowed and (best is None or plan.recompute_seconds < best.recompute_seconds):
             best = plan
     return best
 
@@ -62,7 +62,7 @@ def test_solver_finds_the_cheapest_plan_that_fits():
         assert (expected is None) == (found is None), (expected, found)
         if expected is not None:
             assert found.recompute_seconds == pytest.approx(expected.recompute_seconds, abs=1e-12)
-            assert found.saved_bytes * units <= allowed
+            assert found.peak_bytes == solver.peak_bytes(chunks, found.options, units) <= allowed
 
 
 def test_solver_scales_to_deep_models():
@@ -71,17 +71,22 @@ def test_solver_scales_to_deep_models():
     chunks = [[layer] * 96]
     none, full = layer.saved_bytes[solver.NONE] * 96, layer.saved_bytes[solver.FULL] * 96
     plan = solver.solve(chunks, 4, 4 * (none + full) // 2)
-    assert plan is not None and plan.saved_bytes <= (none + full) // 2
+    assert plan is not None and plan.peak_bytes == solver.peak_bytes(chunks, plan.options, 4) <= 4 * (none + full) // 2
     assert solver.solve(chunks, 4, 4 * full - 1) is None
 
 
 #: Activations of some MiB per micro-batch, so budgets a few MiB apart (the flag counts MiB) choose other plans.
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
         "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "1",
-        "--train-iters", "8", "--log-interval", "8", "--eval-interval", "0", "--eval-iters", "1",
+        "--train-iters", "8", "--log-interval", "6", "--eval-interval", "0", "--eval-iters", "1",
         "--split", "998,2", "--eval-seq-lengths", "256", "--pipeline-model-parallel-size", "2"]
 PROFILING = ["--adaptive-recompute-profiling-step", "5"]
 FRACTIONS = (0.25, 0.5, 0.75)
+#: Two model chunks per stage (interleaved 1F1B) of MoE layers.
+VPP_MOE = ["--num-layers-per-virtual-pipeline-stage", "1", "--num-experts", "4", "--moe-router-topk", "2",
+           "--moe-aux-loss-coeff", "1e-2"]
+#: Context parallelism over both ranks (one pipeline stage): each rank holds half of every sequence.
+CP2 = ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "2"]
 
 
 def _train(flags):
@@ -92,34 +97,56 @@ def _train(flags):
     try:
         result = train(parse_args([*BASE, *flags], world_size=2))
         controllers = [feature.state for feature in applied_features() if feature.name == "adaptive_recompute"]
-        return result.losses, (controllers[0] if controllers else None)
+        return result, (controllers[0] if controllers else None)
     finally:
         disable_features()
 
 
-def _job(rank, world_size):
+def _bounds(probe):
+    """The full-recompute and no-recompute peaks, the larger of both stages'."""
     import torch
     import torch.distributed as dist
 
-    reference, _ = _train([])
-    _, probe = _train(["--adaptive-recompute-device-size", str(10**6), *PROFILING])
-    # budgets between full recompute and none, feasible on both stages
     bounds = torch.tensor([probe.minimum_bytes, probe.none_peak_bytes], dtype=torch.float64)
     dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    low, high = bounds.tolist()
+    return bounds.tolist()
+
+
+def _halfway_run(flags):
+    """Without the feature, then at a budget halfway between the full-recompute and no-recompute peaks."""
+    reference, _ = _train(flags)
+    _, probe = _train([*flags, "--adaptive-recompute-device-size", str(10**6), *PROFILING])
+    low, high = _bounds(probe)
+    budget_mib = int((low + 0.5 * (high - low)) / MIB) + 1
+    result, controller = _train([*flags, "--adaptive-recompute-device-size", str(budget_mib), *PROFILING])
+    return {"reference": reference.losses, "losses": result.losses, "budget": budget_mib * MIB,
+            "plan": controller.plan.options, "predicted": controller.predicted_peak,
+            "measured": controller.measured_peak, "units": controller.units}
+
+
+def _job(rank, world_size):
+    reference, _ = _train([])
+    probed, probe = _train(["--adaptive-recompute-device-size", str(10**6), *PROFILING])
+    low, high = _bounds(probe)  # budgets between full recompute and none, feasible on both stages
     runs = {}
     for fraction in FRACTIONS:
         budget_mib = int((low + fraction * (high - low)) / MIB) + 1
-        losses, controller = _train(["--adaptive-recompute-device-size", str(budget_mib), *PROFILING])
-        runs[fraction] = {"budget": budget_mib * MIB, "losses": losses, "plan": controller.plan.options,
-                          "predicted": controller.predicted_peak, "measured": controller.measured_peak}
+        result, controller = _train(["--adaptive-recompute-device-size", str(budget_mib), *PROFILING])
+        runs[fraction] = {"budget": budget_mib * MIB, "losses": result.losses, "plan": controller.plan.options,
+                          "predicted": controller.predicted_peak, "measured": controller.measured_peak,
+                          "activations": result.activations, "static": result.memory_account.total}
     try:
         _train(["--adaptive-recompute-device-size", str(max(1, int(low / MIB) - 1)), *PROFILING])
         refusal = None
     except FeatureArgumentError as error:
         refusal = str(error)
-    return {"reference": reference, "bounds": (low, high), "runs": runs, "refusal": refusal,
-            "minimum": probe.minimum_bytes, "units": probe.units}
+    return {"reference": reference.losses, "bounds": (low, high), "runs": runs, "refusal": refusal,
+            "minimum": probe.minimum_bytes, "units": probe.units, "reference_activations": reference.activations,
+            "first_step_activations": probed.activations[0][1],
+            "vpp_moe": _halfway_run(VPP_MOE),
+            # the controller's step-1 peak: static (no optimizer state yet: Adam allocates it in the step) + activations
+            "first_step_peak": probe.peaks["none"][0] - (probed.memory_account.total
+                                                         - probed.memory_account.optimizer_state)}
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +154,56 @@ def job():
     return run_distributed(_job, 2, timeout=600)
 
 
+def _cp2_job(rank, world_size):
+    return {"cp2": _halfway_run(CP2)}
+
+
+@pytest.fixture(scope="module")
+def cp2_job():
+    """Its own processes: after the pipelined runs in the same processes, the first CP2 run does not finish
+    (not diagnosed; CP2 alone, and Megatron-LM's own CP2 runs, do)."""
+    return run_distributed(_cp2_job, 2, timeout=300)
+
+
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_every_plan_trains_as_without_recompute_within_the_budget(job, fraction):
     for rank, result in enumerate(job):
         run = result["runs"][fraction]
         assert run["losses"] == result["reference"], f"rank {rank}: recompute changed the losses"
+        assert run["measured"] <= run["predicted"] <= run["budget"], (rank, run)
+
+
+def test_the_entry_reports_the_activations_the_plan_kept(job):
+    for rank, result in enumerate(job):
+        # step 1 profiles without recompute: the entry's account (around the step) and the controller's (inside
+        # it) count the same bytes, and so does a run without the feature
+        assert result["first_step_activations"] == result["first_step_peak"] > 0, rank
+        (first, without), *_ = result["reference_activations"]
+        assert first == 1 and without == result["first_step_activations"]
+        for fraction, run in result["runs"].items():
+            (_, step_1), (iteration, with_plan) = run["activations"]
+            assert iteration == 7 and step_1 == without, (rank, fraction)
+            # the step after the plan's measured one keeps what the measured one kept
+            assert with_plan == run["measured"] - run["static"], (rank, fraction)
+            recomputes = any(option != "none" for option in run["plan"])
+            assert with_plan < without if recomputes else with_plan == without, (rank, fraction, run["plan"])
+
+
+def test_interleaved_stages_of_moe_layers_train_as_without_recompute_within_the_budget(job):
+    for rank, result in enumerate(job):
+        run = result["vpp_moe"]
+        assert len(run["plan"]) == 2, "two model chunks of one MoE layer each"
+        assert run["losses"] == run["reference"], f"rank {rank}: recompute changed the losses"
+        assert run["measured"] <= run["predicted"] <= run["budget"], (rank, run)
+
+
+def test_context_parallel_layers_train_as_without_recompute_within_the_budget(cp2_job):
+    for rank, result in enumerate(cp2_job):
+        run = result["cp2"]
+        assert len(run["plan"]) == 4 and set(run["plan"]) != {"none"}, run["plan"]
+        # with CP the recomputed steps differ from the plain ones in the last bits (1e-8 relative seen; the
+        # operation that rounds differently is not traced): fp32 rounding, not bitwise as without CP
+        assert run["losses"] == pytest.approx(run["reference"], rel=1e-6, abs=0), rank
         assert run["measured"] <= run["predicted"] <= run["budget"], (rank, run)
 
 

@@ -1,15 +1,16 @@
 """Adaptive recompute while training: profile the first steps, choose the plan, apply it, report.
 
 Profiling steps run every layer of the rank with one option at a time (none, core attention, core attention
-and MLP, full), cycling, and record per layer the activation bytes it keeps (``account.SavedTensorAccount``)
+and MLP, full), cycling, and record per layer the activation bytes it keeps (``training.activations.SavedTensorAccount``)
 and the forward seconds of the layer, its core attention and its MLP (the recompute cost of each option).
 After the last profiling step the plan is solved (``solver.solve``) against
 
-    budget = static + other + in-flight units x plan's layer bytes + transient
+    budget = static + other + the plan's activation peak
 
 where static is the rank's parameters, gradients and optimizer state (``training.memory.account``), other
 the activations outside the layers, measured in the no-recompute steps as the step's peak less the layers'
-share, and transient one layer's activations re-materialised during its backward. The step after applies the
+share, and the plan's activation peak its layers' bytes for every micro-batch in flight plus what backward
+re-materialises beyond the layers already freed (``solver``). The step after applies the
 plan and is measured; its measured peak is printed beside the predicted one.
 
 Where the device's allocator has statistics (CUDA, NPU) the step's peak is its ``max_memory_allocated``; on
@@ -24,12 +25,14 @@ from typing import Optional
 import torch
 
 from ascendspeed.features.adaptive_recompute import solver
-from ascendspeed.features.adaptive_recompute.account import ModuleProbe, SavedTensorAccount
+from ascendspeed.features.adaptive_recompute.account import ModuleProbe
 from ascendspeed.features.base import FeatureArgumentError
 from ascendspeed.features.timing import max_over_ranks
+from ascendspeed.training.activations import SavedTensorAccount, model_state_tensors
 
 MIB = 2**20
 PROFILED_OPTIONS = (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP, solver.FULL)
+ATTRIBUTION_SLACK_BYTES = 4096
 
 
 class AdaptiveRecomputeError(FeatureArgumentError):
@@ -43,16 +46,30 @@ def transformer_blocks(model_chunks) -> list:
 
 
 def mlp_recompute_supported(layer) -> bool:
-    """Whether megatron-core can checkpoint this layer's MLP. A dense MLP whose fc2 returns its bias for a
-    later fused add (``skip_bias_add``, linear biases on) hands the bias parameter out of the checkpoint, and
-    backward then re-enters the checkpoint without end (megatron-core 0.15-0.19 on torch 2.13)."""
-    mlp = getattr(layer, "mlp", None)
-    if mlp is None:
-        return False
-    if hasattr(mlp, "moe_layer_recompute") or hasattr(layer, "moe_layer_recompute"):
-        return True
-    fc2 = getattr(mlp, "linear_fc2", None)
-    return not (fc2 is not None and getattr(fc2, "skip_bias_add", False) and getattr(fc2, "bias", None) is not None)
+    """Whether this layer has an MLP megatron-core can checkpoint (dense or MoE)."""
+    return getattr(layer, "mlp", None) is not None
+
+
+def _fc2_handing_out_its_bias(layer):
+    """The dense MLP's fc2 when it returns its bias for the layer's fused bias-dropout-add (``skip_bias_add``,
+    linear biases on), else None."""
+    fc2 = getattr(getattr(layer, "mlp", None), "linear_fc2", None)
+    if fc2 is not None and getattr(fc2, "bias", None) is not None and (
+            getattr(fc2, "skip_bias_add", False) or getattr(fc2, "_ascendspeed_bias_folded", False)):
+        return fc2
+    return None
+
+
+def fold_fc2_bias(layer, fold: bool) -> None:
+    """Inside megatron-core's MLP checkpoint, fc2 adds its bias itself instead of handing the bias parameter
+    out: a checkpoint that returns a parameter makes backward re-enter the checkpoint without end (megatron-core
+    0.15-0.19 on torch 2.13). The layer's bias-dropout-add then gets no bias and computes the same sum:
+    ``residual + dropout(fc2 + bias)`` either way. ``fold=False`` restores Megatron's path."""
+    fc2 = _fc2_handing_out_its_bias(layer)
+    if fc2 is None:
+        return
+    fc2.skip_bias_add = not fold
+    fc2._ascendspeed_bias_folded = fold
 
 
 def set_layer_option(layer, option: str) -> None:
@@ -68,6 +85,7 @@ def set_layer_option(layer, option: str) -> None:
             target.moe_layer_recompute = mlp_flag
     elif hasattr(layer, "recompute_mlp"):
         layer.recompute_mlp = mlp_flag
+        fold_fc2_bias(layer, mlp_flag)
 
 
 def apply_options(blocks, options_per_block) -> None:
@@ -165,7 +183,8 @@ class AdaptiveRecompute:
                        for (b, i), layer in layers.items() if hasattr(getattr(layer, "self_attention", None),
                                                                        "core_attention")})
         probes.update({(b, i, "mlp"): layer.mlp for (b, i), layer in layers.items() if hasattr(layer, "mlp")})
-        account = SavedTensorAccount(self._not_activations(model_chunks))
+        probes.update({(b, "block"): block for b, block in enumerate(blocks)})
+        account = SavedTensorAccount(model_state_tensors(model_chunks))
         probe = ModuleProbe(account, probes)
         allocator = device_allocator()
         if allocator is not None:
@@ -197,15 +216,22 @@ class AdaptiveRecompute:
         flat = [layer for chunk in profiles for layer in chunk]
         none_bytes = sum(layer.saved_bytes[solver.NONE] for layer in flat)
         # the no-recompute steps after the first (warm-up: optimizer state allocated during it)
-        none_peak = min(self.peaks[solver.NONE][1:] or self.peaks[solver.NONE])
+        none_peak = max(self.peaks[solver.NONE][1:] or self.peaks[solver.NONE])
         other = max(0, none_peak - static - units * none_bytes)
-        transient = max(layer.saved_bytes[solver.NONE] - layer.saved_bytes[solver.FULL] for layer in flat)
-        allowed = self.budget_bytes - static - other - transient
-        full_bytes = sum(layer.saved_bytes[solver.FULL] for layer in flat)
-        # what the full-recompute steps kept beyond the layers' inputs (the checkpoints also save the mask)
-        full_overhead = max(0, max(self.peaks[solver.FULL]) - (static + other + transient + units * full_bytes))
-        plan = solver.solve(profiles, units, allowed, full_overhead)
-        self.minimum_bytes = static + other + transient + units * full_bytes + full_overhead
+        # what recompute keeps beyond the solver's formula: the full checkpoints' inputs besides the layers'
+        # hidden states (the attention mask, saved once: the blocks' growth in the full step less the layers'
+        # inputs), whatever else the profiled recompute steps kept, and a page per layer and micro-batch for
+        # small tensors (scalars) the account gives to one layer or its neighbour depending on the plan
+        checkpointed = sum(self._per_call(solver.FULL, (b, "block"), 0, max) for b in range(len(blocks)))
+        shared = units * max(0, checkpointed - sum(layer.saved_bytes[solver.FULL] for layer in flat))
+        residual = max(max(self.peaks[option]) - static - other
+                       - solver.peak_bytes(profiles, self._profiled_options(flat, option), units)
+                       for option in PROFILED_OPTIONS if option != solver.NONE)
+        overhead = max(0, shared, residual) + ATTRIBUTION_SLACK_BYTES * len(flat) * units
+        allowed = self.budget_bytes - static - other
+        plan = solver.solve(profiles, units, allowed, overhead)
+        every_layer_full = [solver.FULL] * len(flat)
+        self.minimum_bytes = static + other + solver.peak_bytes(profiles, every_layer_full, units, overhead)
         self.none_peak_bytes = static + other + units * none_bytes
         worst_minimum, refused = _over_ranks_max(self.minimum_bytes, plan is None)
         if refused:
@@ -217,8 +243,7 @@ class AdaptiveRecompute:
                 f"every layer needs {worst_minimum / MIB:.1f} MiB {where}; give at least "
                 f"{math.ceil(worst_minimum / MIB)}")
         self.plan = plan
-        self.predicted_peak = (static + other + transient + units * plan.saved_bytes
-                               + (full_overhead if plan.full_layers else 0))
+        self.predicted_peak = static + other + plan.peak_bytes
         per_block, start = [], 0
         for chunk in profiles:
             per_block.append(list(plan.options[start:start + len(chunk)]))
@@ -231,10 +256,19 @@ class AdaptiveRecompute:
             f"{self.predicted_peak / MIB:.1f} MiB of the {self.budget_bytes / MIB:.0f} MiB budget (full recompute: "
             f"{self.minimum_bytes / MIB:.1f} MiB)")
 
-    def _layer_profile(self, block: int, index: int, mlp_recompute: bool) -> solver.LayerProfile:
-        def per_call(option, key, field):
-            return [sample[key][field] / sample[key][3] for sample in self.samples[option] if key in sample]
+    @staticmethod
+    def _profiled_options(layers, option: str) -> list:
+        """The per-layer options of a profiling step that gave every layer ``option`` (core attention alone
+        where the layer's MLP cannot be recomputed)."""
+        return [option if option in layer.saved_bytes else solver.ATTENTION for layer in layers]
 
+    def _per_call(self, option: str, key, field: int, reduce=list):
+        """A probed module's ``field`` (saved bytes 0, seconds 1, input bytes 2) per forward call, in each
+        profiling step of ``option``, reduced."""
+        return reduce([sample[key][field] / sample[key][3] for sample in self.samples[option] if key in sample])
+
+    def _layer_profile(self, block: int, index: int, mlp_recompute: bool) -> solver.LayerProfile:
+        per_call = self._per_call
         saved = {}
         for option in (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP):
             saved[option] = int(max(per_call(option, (block, index), 0)))
@@ -259,13 +293,3 @@ class AdaptiveRecompute:
 
         optimizer = self.optimizer_ref() if self.optimizer_ref is not None else None
         return account(model_chunks, optimizer).total
-
-    @staticmethod
-    def _not_activations(model_chunks) -> list:
-        tensors = []
-        for chunk in model_chunks:
-            for param in chunk.parameters():
-                tensors += [param, getattr(param, "main_grad", None), param.grad]
-            for buffer in list(getattr(chunk, "buffers", [])):
-                tensors += [getattr(buffer, "grad_data", None), getattr(buffer, "param_data", None)]
-        return tensors

@@ -1,10 +1,22 @@
 """The recompute plan: per transformer layer none, selective (core attention; core attention and MLP) or full
 recompute, the cheapest in recompute time whose activations fit the budget.
 
+The activation peak of a plan: ``units`` micro-batches in flight each keep the plan's bytes ``S``; and while
+backward re-materialises layer ``i`` (``none(i) - plan(i)`` more bytes), the layers after it in the same model
+chunk have already been freed by their backward. So
+
+    peak = units * S + max(0, max_i [none(i) - plan(i) - S_after(i)])
+
+with ``S_after(i)`` the plan's bytes of the layers after ``i`` in its chunk (with several chunks, whose
+backward interleaves, no credit is taken: ``S_after = 0``), plus, for a plan that recomputes anything, what the
+profiled recompute steps kept beyond this formula (the checkpoints' saved mask and the like).
+
 Megatron's full recompute by block recomputes the first ``k`` layers of every model chunk, so the full layers
 are a prefix; the solver tries every ``k`` and, for the layers after it, finds the exact cheapest mix of the
-selective options with a Pareto frontier of (bytes, seconds) over the layers (no rounding of bytes, so the
-chosen plan is optimal, which the tests check against brute force).
+selective options with a Pareto frontier over the layers, built from the last layer backwards: a partial plan
+is kept unless another is no larger in bytes ``S``, no slower, and no larger in ``credit * S + re-materialised
+excess`` (which bounds every later term; no rounding of bytes, so the chosen plan is optimal, which the tests
+check against brute force).
 """
 from __future__ import annotations
 
@@ -28,11 +40,12 @@ class LayerProfile:
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """An option per layer (in the order of the profiles), with the layers' activation bytes (per in-flight
-    micro-batch) and recompute seconds (per micro-batch) it costs."""
+    micro-batch), recompute seconds (per micro-batch) and the activation peak (module doc) it costs."""
 
     options: tuple[str, ...]
     saved_bytes: int
     recompute_seconds: float
+    peak_bytes: int
 
     @property
     def full_layers(self) -> int:
@@ -43,55 +56,99 @@ class Plan:
         return ", ".join(f"{count} x {option}" for option, count in counts.items())
 
 
-def plan_of(layers: Sequence[LayerProfile], options: Sequence[str]) -> Plan:
+def plan_of(chunks: Sequence[Sequence[LayerProfile]], options: Sequence[str], units_in_flight: int,
+            recompute_overhead: int = 0) -> Plan:
+    """The plan ``options`` (per layer, in chunk order) makes of ``chunks``."""
+    layers = [layer for chunk in chunks for layer in chunk]
     return Plan(tuple(options), sum(layer.saved_bytes[o] for layer, o in zip(layers, options)),
-                sum(layer.recompute_seconds[o] for layer, o in zip(layers, options)))
+                sum(layer.recompute_seconds[o] for layer, o in zip(layers, options)),
+                peak_bytes(chunks, options, units_in_flight, recompute_overhead))
 
 
-def _frontier(layers: Sequence[LayerProfile]) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Every (bytes, seconds, options) of ``layers`` with selective options that no other beats on both."""
-    states = [(0, 0.0, ())]
-    for layer in layers:
-        grown = sorted(((saved + layer.saved_bytes[o], seconds + layer.recompute_seconds[o], chosen + (o,))
-                        for saved, seconds, chosen in states for o in SELECTIVE if o in layer.saved_bytes),
-                       key=lambda s: (s[0], s[1]))
-        states, best = [], float("inf")
-        for state in grown:  # ascending bytes: keep a state only if it is faster than every smaller one
-            if state[1] < best:
-                states.append(state)
-                best = state[1]
-    return states
+def peak_bytes(chunks: Sequence[Sequence[LayerProfile]], options: Sequence[str], units_in_flight: int,
+               recompute_overhead: int = 0) -> int:
+    """The activation peak of ``options`` (per layer, in chunk order) by the formula of the module doc."""
+    credit = 1 if len(chunks) == 1 else 0
+    total, excess, start = 0, 0, 0
+    for chunk in chunks:
+        mine = options[start:start + len(chunk)]
+        start += len(chunk)
+        after = 0
+        for layer, option in zip(reversed(chunk), reversed(mine)):
+            rematerialised = layer.saved_bytes[NONE] - layer.saved_bytes[option]
+            excess = max(excess, rematerialised - credit * after)
+            after += layer.saved_bytes[option]
+        total += after
+    overhead = recompute_overhead if any(option != NONE for option in options) else 0
+    return units_in_flight * total + excess + overhead
+
+
+def _prepend(states, layer: LayerProfile, options: Sequence[str], credit: int):
+    """The partial plans with ``layer`` (one of ``options``) put before each of ``states``: (bytes, seconds,
+    excess, options), pruned to the frontier."""
+    grown = []
+    for saved, seconds, excess, chosen in states:
+        for option in options:
+            if option in layer.saved_bytes:
+                rematerialised = layer.saved_bytes[NONE] - layer.saved_bytes[option]
+                grown.append((saved + layer.saved_bytes[option], seconds + layer.recompute_seconds[option],
+                              max(excess, rematerialised - credit * saved), (option,) + chosen))
+    grown.sort(key=lambda state: (state[0], state[1], credit * state[0] + state[2]))
+    kept = []
+    for state in grown:  # ascending bytes: keep a state unless a kept one is no slower and no higher bound
+        bound = credit * state[0] + state[2]
+        if not any(seconds <= state[1] and credit * saved + excess <= bound for saved, seconds, excess, _ in kept):
+            kept.append(state)
+    return kept
 
 
 def solve(chunks: Sequence[Sequence[LayerProfile]], units_in_flight: int, allowed_bytes: int,
-          full_overhead: int = 0) -> Optional[Plan]:
-    """The cheapest plan whose layer activations, times ``units_in_flight`` (micro-batches held at once),
-    fit ``allowed_bytes``; None when not even full recompute of every layer fits. ``chunks`` are the model
-    chunks of the rank (one without virtual pipelining), each a list of its layers: the ``k`` full layers are
-    the first ``k`` of every chunk. ``full_overhead``: bytes any full recompute keeps besides the layers'
-    inputs (what the checkpoints save once, e.g. the attention mask)."""
+          recompute_overhead: int = 0) -> Optional[Plan]:
+    """The cheapest plan whose activation peak (module doc) fits ``allowed_bytes``; None when not even full
+    recompute of every layer fits. ``chunks`` are the model chunks of the rank (one without virtual
+    pipelining), each a list of its layers: the ``k`` full layers are the first ``k`` of every chunk.
+    ``recompute_overhead``: bytes any plan that recomputes keeps beyond the formula (module doc)."""
     depth = min(len(chunk) for chunk in chunks) if chunks else 0
-    best: Optional[Plan] = None
-    for full in range(depth + 1):
-        prefix = [layer for chunk in chunks for layer in chunk[:full]]
-        rest = [layer for chunk in chunks for layer in chunk[full:]]
-        fixed = plan_of(prefix, [FULL] * len(prefix))
-        # the frontier grows in bytes and shrinks in seconds: the largest state that fits is the cheapest
-        for saved, seconds, chosen in reversed(_frontier(rest)):
-            total = fixed.saved_bytes + saved
-            if total * units_in_flight + (full_overhead if full else 0) > allowed_bytes:
-                continue
-            cost = fixed.recompute_seconds + seconds
-            if best is None or cost < best.recompute_seconds:
-                best = Plan(_interleave(chunks, full, chosen), total, cost)
-            break
-    return best
+    credit = 1 if len(chunks) == 1 else 0
+    best: Optional[tuple[float, int, int, tuple, int]] = None
+    rest, order = [(0, 0.0, 0, ())], []  # partial plans of the layers after the full prefix; their layers
+
+    def prepend(c: int, i: int) -> None:
+        nonlocal rest
+        rest = _prepend(rest, chunks[c][i], SELECTIVE, credit)
+        order.insert(0, (c, i))
+
+    for c in reversed(range(len(chunks))):  # layers beyond the shortest chunk's depth are never full
+        for i in reversed(range(depth, len(chunks[c]))):
+            prepend(c, i)
+    for full in range(depth, -1, -1):
+        if full < depth:
+            for c in reversed(range(len(chunks))):
+                prepend(c, full)
+        full_saved = sum(layer.saved_bytes[FULL] for chunk in chunks for layer in chunk[:full])
+        full_seconds = sum(layer.recompute_seconds[FULL] for chunk in chunks for layer in chunk[:full])
+        full_excess = _full_prefix_excess(chunks, full, credit)  # less credit * (bytes after the prefix)
+        for saved, seconds, excess, chosen in rest:
+            recomputes = full or seconds > 0 or any(option != NONE for option in chosen)
+            peak = (units_in_flight * (saved + full_saved) + max(excess, full_excess - credit * saved)
+                    + (recompute_overhead if recomputes else 0))
+            cost = full_seconds + seconds
+            if peak <= allowed_bytes and (best is None or cost < best[0]):
+                best = (cost, saved + full_saved, peak, dict(zip(order, chosen)), full)
+    if best is None:
+        return None
+    cost, saved, peak, chosen, full = best
+    options = tuple(FULL if i < full else chosen[(c, i)] for c, chunk in enumerate(chunks) for i in range(len(chunk)))
+    return Plan(options, saved, cost, peak)
 
 
-def _interleave(chunks, full: int, rest_options: tuple[str, ...]) -> tuple[str, ...]:
-    """Per layer in chunk order: ``full`` for the first ``full`` of each chunk, then ``rest_options``."""
-    options, remaining = [], iter(rest_options)
+def _full_prefix_excess(chunks, full: int, credit: int) -> int:
+    """The largest re-materialised excess of the ``full`` prefix layers, counting (with ``credit``) the prefix
+    layers after each; the caller takes off ``credit`` times the bytes after the prefix."""
+    excess = 0
     for chunk in chunks:
-        options += [FULL] * full
-        options += [next(remaining) for _ in chunk[full:]]
-    return tuple(options)
+        after = 0
+        for layer in reversed(chunk[:full]):
+            excess = max(excess, layer.saved_bytes[NONE] - layer.saved_bytes[FULL] - credit * after)
+            after += layer.saved_bytes[FULL]
+    return excess
