@@ -11,7 +11,8 @@ where static is the rank's parameters, gradients and optimizer state (``training
 the activations outside the layers, measured in the no-recompute steps as the step's peak less the layers'
 share, and the plan's activation peak its layers' bytes for every micro-batch in flight plus what backward
 re-materialises beyond the layers already freed (``solver``). The step after applies the
-plan and is measured; its measured peak is printed beside the predicted one.
+plan and is measured; its measured peak is printed beside the predicted one. The ranks of one pipeline stage
+solve the largest of their measurements, so they agree on the plan (``agreed_within_stage``).
 
 Where the device's allocator has statistics (CUDA, NPU) the step's peak is its ``max_memory_allocated``; on
 the CPU it is static plus the peak of the saved-tensor account.
@@ -136,6 +137,50 @@ def _over_ranks_max(minimum: int, refused: bool) -> tuple[int, bool]:
     return int(worst), bool(any_refused)
 
 
+def stage_groups() -> list:
+    """The process groups that together span the ranks of this rank's pipeline stage: tensor-parallel, then
+    data-parallel with context-parallel (expert-parallel ranks lie within both)."""
+    from megatron.core import parallel_state
+
+    if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return []
+    return [parallel_state.get_tensor_model_parallel_group(),
+            parallel_state.get_data_parallel_group(with_context_parallel=True)]
+
+
+def agreed_within_stage(profiles, *byte_counts: int):
+    """The profiles and byte counts as their largest over the ranks of this pipeline stage, so that every rank
+    of the stage solves the same inputs and gets the same plan: a layer recomputed on one rank and not on its
+    tensor- or context-parallel peer would issue collectives the peer never joins (a hang, or a peer's
+    message taken for another layer's)."""
+    groups = stage_groups()
+    if not groups:
+        return profiles, byte_counts
+    flat = [layer for chunk in profiles for layer in chunk]
+    values = [float(count) for count in byte_counts]
+    for layer in flat:
+        for option in solver.OPTIONS:
+            values += [float(layer.saved_bytes.get(option, -1)), float(layer.recompute_seconds.get(option, -1.0))]
+    from ascendspeed.accelerator import current_device
+
+    packed = torch.tensor(values, dtype=torch.float64, device=current_device())
+    for group in groups:
+        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=group)
+    values = iter(packed.tolist())
+    counts = tuple(int(next(values)) for _ in byte_counts)
+    agreed = []
+    for chunk in profiles:
+        agreed.append([])
+        for layer in chunk:
+            saved, seconds = {}, {}
+            for option in solver.OPTIONS:
+                option_bytes, option_seconds = next(values), next(values)
+                if option in layer.saved_bytes:
+                    saved[option], seconds[option] = int(option_bytes), option_seconds
+            agreed[-1].append(solver.LayerProfile(saved, seconds))
+    return agreed, counts
+
+
 def _print_on_rank(line: str) -> None:
     import torch.distributed as dist
 
@@ -228,6 +273,9 @@ class AdaptiveRecompute:
                        - solver.peak_bytes(profiles, self._profiled_options(flat, option), units)
                        for option in PROFILED_OPTIONS if option != solver.NONE)
         overhead = max(0, shared, residual) + ATTRIBUTION_SLACK_BYTES * len(flat) * units
+        profiles, (static, other, overhead) = agreed_within_stage(profiles, static, other, overhead)
+        flat = [layer for chunk in profiles for layer in chunk]
+        none_bytes = sum(layer.saved_bytes[solver.NONE] for layer in flat)
         allowed = self.budget_bytes - static - other
         plan = solver.solve(profiles, units, allowed, overhead)
         every_layer_full = [solver.FULL] * len(flat)
