@@ -26,18 +26,20 @@ def sum_over_ranks(values: Sequence[float]) -> list[float]:
     return _reduced_over_ranks(values, dist.ReduceOp.SUM)
 
 
-def max_over_ranks(values: Sequence[float]) -> list[float]:
-    """The largest of each of ``values`` over every rank of the job (a collective); as is without one."""
-    return _reduced_over_ranks(values, dist.ReduceOp.MAX)
+def max_over_ranks(values: Sequence[float], groups: Sequence = (None,)) -> list[float]:
+    """The largest of each of ``values`` over every rank of the job, or over the ranks the process ``groups``
+    span together (reduced over each in turn); a collective; as is without one."""
+    return _reduced_over_ranks(values, dist.ReduceOp.MAX, groups)
 
 
-def _reduced_over_ranks(values: Sequence[float], op) -> list[float]:
+def _reduced_over_ranks(values: Sequence[float], op, groups: Sequence = (None,)) -> list[float]:
     if not dist.is_initialized():
         return [float(value) for value in values]
     from ascendspeed.accelerator import current_device
 
     packed = torch.tensor([float(value) for value in values], dtype=torch.float64, device=current_device())
-    dist.all_reduce(packed, op=op)
+    for group in groups:
+        dist.all_reduce(packed, op=op, group=group)
     return packed.tolist()
 
 

@@ -156,17 +156,11 @@ def agreed_within_stage(profiles, *byte_counts: int):
     groups = stage_groups()
     if not groups:
         return profiles, byte_counts
-    flat = [layer for chunk in profiles for layer in chunk]
-    values = [float(count) for count in byte_counts]
-    for layer in flat:
+    values = list(byte_counts)
+    for layer in (layer for chunk in profiles for layer in chunk):
         for option in solver.OPTIONS:
-            values += [float(layer.saved_bytes.get(option, -1)), float(layer.recompute_seconds.get(option, -1.0))]
-    from ascendspeed.accelerator import current_device
-
-    packed = torch.tensor(values, dtype=torch.float64, device=current_device())
-    for group in groups:
-        torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=group)
-    values = iter(packed.tolist())
+            values += [layer.saved_bytes.get(option, -1), layer.recompute_seconds.get(option, -1.0)]
+    values = iter(max_over_ranks(values, groups))
     counts = tuple(int(next(values)) for _ in byte_counts)
     agreed = []
     for chunk in profiles:
