@@ -17,10 +17,12 @@ import torch.nn.functional as F
 @dataclasses.dataclass(frozen=True)
 class MaskPlan:
     """How the fused kernel applies a call's mask: the causal triangle, a boolean mask (True: may attend), or
-    nothing."""
+    nothing; and which query rows are tokens (False: padding between a pack's sequences, whose output is zero
+    and which pass no gradient back), None for every row."""
 
     causal: bool
     allowed: Optional[torch.Tensor] = None
+    query_rows: Optional[torch.Tensor] = None
 
 
 def _same_bounds(first: Optional[torch.Tensor], second: Optional[torch.Tensor]) -> bool:
@@ -29,20 +31,36 @@ def _same_bounds(first: Optional[torch.Tensor], second: Optional[torch.Tensor]) 
 
 def packed_plan(causal_type: bool, packed_seq_params, total: int, device: torch.device) -> Optional[MaskPlan]:
     """The mask of a THD pack (sequences one after another, no batch dimension): each token attends to the
-    tokens of its own sequence (the earlier ones, in a causal layer); tokens after the last boundary form
-    one more sequence. None (Megatron's path, which refuses packs) where the pack has padding between its
-    sequences or different query and key boundaries."""
-    bounds = packed_seq_params.cu_seqlens_q
-    if bounds is None or not (_same_bounds(packed_seq_params.cu_seqlens_q_padded, bounds)
-                              and _same_bounds(packed_seq_params.cu_seqlens_kv_padded, packed_seq_params.cu_seqlens_kv)
-                              and _same_bounds(packed_seq_params.cu_seqlens_kv, bounds)):
+    tokens of its own sequence (the earlier ones, in a causal layer). Without padding, tokens after the last
+    boundary form one more sequence. With padding between the sequences (``cu_seqlens_*_padded``, TE's
+    layout: sequence ``i`` starts at ``padded[i]`` and holds ``cu_seqlens[i+1] - cu_seqlens[i]`` tokens), the
+    rest of each slot and everything after the last slot is padding: attended by nobody, its output zero.
+    None (Megatron's path, which refuses packs) where queries and keys are packed differently."""
+    bounds, padded = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_q_padded
+    kv_bounds, kv_padded = packed_seq_params.cu_seqlens_kv, packed_seq_params.cu_seqlens_kv_padded
+    if bounds is None or not (_same_bounds(kv_bounds, bounds) and _same_bounds(kv_padded, padded)):
         return None
+    bounds = bounds.to(device=device, dtype=torch.long)
     positions = torch.arange(total, device=device)
-    sequence = torch.searchsorted(bounds.to(device=device, dtype=torch.long)[1:], positions, right=True)
+    if padded is None or torch.equal(padded.to(device=device, dtype=torch.long), bounds):
+        sequence = torch.searchsorted(bounds[1:], positions, right=True)
+        token = None
+    else:
+        padded = padded.to(device=device, dtype=torch.long)
+        if padded.shape != bounds.shape or bool((padded.diff() < bounds.diff()).any()) or int(padded[-1]) > total:
+            raise ValueError(f"a THD pack's padded boundaries {padded.tolist()} must hold its sequences "
+                             f"{bounds.tolist()} within its {total} tokens")
+        sequence = torch.searchsorted(padded[1:], positions, right=True)
+        slot = sequence.clamp(max=padded.numel() - 2)
+        token = (sequence < padded.numel() - 1) & (positions - padded[slot] < bounds.diff()[slot])
     allowed = sequence[:, None] == sequence[None, :]
     if causal_type:
         allowed &= positions[:, None] >= positions[None, :]
-    return MaskPlan(causal=False, allowed=allowed.view(1, 1, total, total))
+    if token is not None:
+        # padding attends to itself only, so that no row is empty; its output is zeroed (query_rows)
+        allowed &= token[None, :] & token[:, None]
+        allowed |= torch.diag(~token)
+    return MaskPlan(causal=False, allowed=allowed.view(1, 1, total, total), query_rows=token)
 
 
 def _npu_fusion_attention(query, key, value, plan: MaskPlan, scale: float, dropout_p: float) -> torch.Tensor:
@@ -85,15 +103,19 @@ def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tens
     dropout_p, rng = attention_dropout(layer)
     if query.device.type == "npu":
         with rng:
-            return _npu_fusion_attention(query, key, value, plan, layer.softmax_scale, dropout_p)
-    groups = query.shape[2] // key.shape[2]
-    q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    with rng:
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
-                                                 dropout_p=dropout_p, scale=layer.softmax_scale)
-    return context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+            context = _npu_fusion_attention(query, key, value, plan, layer.softmax_scale, dropout_p)
+    else:
+        groups = query.shape[2] // key.shape[2]
+        q, k, v = (tensor.permute(1, 2, 0, 3) for tensor in (query, key, value))
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        with rng:
+            context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
+                                                     dropout_p=dropout_p, scale=layer.softmax_scale)
+        context = context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
+    if plan.query_rows is not None:
+        context = context * plan.query_rows.view(sq, 1, 1).to(context.dtype)
+    return context
 
 
 def packed_core_attention(layer, query, key, value, packed_seq_params) -> Optional[torch.Tensor]:

@@ -111,12 +111,12 @@ def _config(**overrides):
     return TransformerConfig(**settings)
 
 
-def _layers(config, normalization):
+def _layers(config, local_spec, te_spec):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)   # the local spec's torch norms are made in the default dtype
     try:
-        local = build_module(get_gpt_layer_local_spec(normalization=normalization), config=config, layer_number=1)
-        te = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+        local = build_module(local_spec, config=config, layer_number=1)
+        te = build_module(te_spec, config=config, layer_number=1)
     finally:
         torch.set_default_dtype(previous)
     weights = dict(local.named_parameters())
@@ -129,9 +129,9 @@ def _layers(config, normalization):
     return local, te
 
 
-def _step(layer, hidden):
+def _step(layer, hidden, attention_mask=None):
     hidden = hidden.clone().requires_grad_(True)
-    output, _ = layer(hidden, attention_mask=None)
+    output, _ = layer(hidden, attention_mask=attention_mask)
     (output * torch.linspace(-1, 1, output.numel(), dtype=output.dtype).view_as(output)).sum().backward()
     grads = {name: param.grad for name, param in layer.named_parameters()}
     return output.detach(), hidden.grad, grads
@@ -148,16 +148,10 @@ def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
 
         extra = dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu) if fused else {}
         config = _config(**extra)
-        local, te = _layers(config, config.normalization)
-        assert type(te.self_attention.core_attention).__name__ == "LocalTEDotProductAttention"
+        local, te = _layers(config, get_gpt_layer_local_spec(normalization=config.normalization),
+                            get_gpt_layer_with_transformer_engine_spec())
         hidden = torch.randn(8, 2, 32, dtype=torch.float64)
-        expected = _step(local, hidden)
-        found = _step(te, hidden)
-        torch.testing.assert_close(found[0], expected[0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(found[1], expected[1], rtol=1e-12, atol=1e-12)
-        for name, grad in expected[2].items():
-            torch.testing.assert_close(found[2][TE_NAMES.get(name, name)], grad, rtol=1e-11, atol=1e-12,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+        _assert_same_step(local, te, hidden)
         if fused:
             # ascendspeed's features reach the TE spec's modules: the fused RMSNorm inside the layer-norm
             # linears, the fused SwiGLU in its MLP
@@ -168,6 +162,59 @@ def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
     finally:
         if fused:
             disable_features(["fused_swiglu", "local_norm"])
+
+
+def _assert_same_step(local, te, hidden, attention_mask=None):
+    assert type(te.self_attention.core_attention).__name__ == "LocalTEDotProductAttention"
+    expected = _step(local, hidden, attention_mask)
+    found = _step(te, hidden, attention_mask)
+    torch.testing.assert_close(found[0], expected[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(found[1], expected[1], rtol=1e-12, atol=1e-12)
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(found[2][TE_NAMES.get(name, name)], grad, rtol=1e-11, atol=1e-12,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _bert_specs():
+    from megatron.core.models.bert import bert_layer_specs
+
+    return bert_layer_specs.bert_layer_local_spec, bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+
+
+def _t5_encoder_specs():
+    from megatron.core.models.T5 import t5_spec
+
+    return t5_spec.encoder_model_with_local_spec(), t5_spec.encoder_model_with_transformer_engine_default_spec()
+
+
+@pytest.mark.parametrize("specs", [_bert_specs, _t5_encoder_specs], ids=["bert", "t5-encoder"])
+def test_other_models_te_layer_specs_equal_their_local_specs(megatron_world, specs):
+    """BERT's and T5's TE specs (megatron-core binds their TE classes to None, and BERT's refuses to build,
+    where TE does not import) build on the stand-ins and compute their local specs' step, padding mask given."""
+    local, te = _layers(_config(), *specs())
+    hidden = torch.randn(8, 2, 32, dtype=torch.float64)
+    padding = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    padding[1, :, :, 6:] = True
+    _assert_same_step(local, te, hidden, padding)
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_te_norm_serves_sequence_parallel_and_zero_centred_gamma_as_te_does(megatron_world, normalization):
+    """megatron-core's WrappedTorchNorm refuses both; TE's TENorm has them, also without ascendspeed's arguments
+    (megatron-core's tests build models from configs alone)."""
+    config = _config(normalization=normalization, layernorm_zero_centered_gamma=True)
+    config.sequence_parallel = True   # set after validation: it needs TP > 1 there, and this is one process
+    norm = te_classes.TENorm(config, 32, eps=1e-5)
+    assert norm.weight.dtype == torch.float64 and not norm.weight.any(), "stored as gamma - 1, initialised 0"
+    assert all(param.sequence_parallel for param in norm.parameters())
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(4, 2, 32, dtype=torch.float64)
+    if normalization == "LayerNorm":
+        expected = torch.nn.functional.layer_norm(x, (32,), norm.weight + 1, norm.bias, 1e-5)
+    else:
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (norm.weight + 1)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-13, atol=1e-13)
 
 
 def test_selective_recompute_of_the_layer_norms_runs_without_transformer_engine(megatron_world):

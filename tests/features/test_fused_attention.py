@@ -3,6 +3,7 @@ every mask form against float64 and against Megatron's own materialised path (``
 unfused``), forward and backward, fp32 / bf16 / fp16; the calls that must keep Megatron's path; a GPT whose
 loss and gradients do not depend on the backend."""
 import argparse
+import itertools
 
 import pytest
 import torch
@@ -232,11 +233,48 @@ def test_a_thd_pack_attends_within_each_sequence(megatron_world, dtype):
     for actual, leaf in zip((q, k, v), leaves):
         assert mu.relative_error(actual.grad, leaf.grad) < 2 * tolerance
 
-    padded = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                             cu_seqlens_q_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32),
-                             cu_seqlens_kv_padded=torch.tensor([0, 8, 16, 24], dtype=torch.int32))
-    with pytest.raises(AssertionError, match="Packed sequence is not supported"):  # Megatron's own refusal
-        module(q, k, v, None, packed_seq_params=padded)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_thd_pack_with_padding_between_sequences(megatron_world, dtype):
+    """TE's padded THD layout: sequence i starts at cu_seqlens_padded[i]; the rest of its slot, and the tokens
+    after the last slot, are padding: attended by nobody, output zero, no gradient."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    heads, groups, head_dim, total = 4, 2, 8, 26
+    lengths, slots = [5, 7, 1, 8], [0, 8, 16, 17, 25]
+    module = attention(heads, groups, head_dim, dtype)
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             cu_seqlens_q_padded=torch.tensor(slots, dtype=torch.int32),
+                             cu_seqlens_kv_padded=torch.tensor(slots, dtype=torch.int32), max_seqlen_q=8,
+                             max_seqlen_kv=8)
+    q = torch.randn(total, heads, head_dim).to(dtype).requires_grad_()
+    k, v = (torch.randn(total, groups, head_dim).to(dtype).requires_grad_() for _ in range(2))
+    out = module(q, k, v, None, packed_seq_params=packed)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    expected = torch.zeros(total, heads * head_dim, dtype=torch.float64)
+    tokens = torch.zeros(total, dtype=torch.bool)
+    for start, length in zip(slots, lengths):
+        piece = reference(*(t[start:start + length].unsqueeze(1) for t in leaves), causal(length, length),
+                          module.softmax_scale)
+        expected = expected.index_put((torch.arange(start, start + length),), piece.squeeze(1))
+        tokens[start:start + length] = True
+    expected.backward(grad.double())
+    tolerance = TOLERANCES[dtype]
+    assert out.shape == (total, heads * head_dim) and not out[~tokens].any()
+    assert mu.relative_error(out, expected) < tolerance
+    for actual, leaf in zip((q, k, v), leaves):
+        assert not actual.grad[~tokens].any()
+        assert mu.relative_error(actual.grad, leaf.grad) < 2 * tolerance
+
+    too_small = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                                cu_seqlens_q_padded=torch.tensor([0, 4, 12, 13, 21], dtype=torch.int32),
+                                cu_seqlens_kv_padded=torch.tensor([0, 4, 12, 13, 21], dtype=torch.int32))
+    with pytest.raises(ValueError, match="padded boundaries"):
+        module(q, k, v, None, packed_seq_params=too_small)
 
 
 def test_a_thd_pack_with_attention_dropout_runs_the_kernel_s_dropout(megatron_world):

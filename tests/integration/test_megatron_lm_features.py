@@ -267,9 +267,10 @@ def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher
 def test_transformer_engine_spec_without_transformer_engine(launcher):
     """Megatron-LM's default --transformer-impl transformer_engine, given explicitly, where TE is not installed:
     its TE layer spec builds on megatron-core's local modules (accelerator.te_fallback) with TP 2 and sequence
-    parallelism, and ascendspeed's fused RMSNorm (inside the layer-norm linears), SwiGLU and RoPE run in it."""
+    parallelism, and ascendspeed's fused RMSNorm (inside the layer-norm linears), SwiGLU and RoPE run in it;
+    --te-rng-tracker takes megatron-core's own tracker, as megatron-core does without TE."""
     flags = [*TP_COMPARABLE[:TP_COMPARABLE.index("--transformer-impl")], "--transformer-impl", "transformer_engine",
-             *TP_COMPARABLE[TP_COMPARABLE.index("--transformer-impl") + 2:], "--sequence-parallel",
+             *TP_COMPARABLE[TP_COMPARABLE.index("--transformer-impl") + 2:], "--sequence-parallel", "--te-rng-tracker",
              "--normalization", "RMSNorm", "--use-fused-rmsnorm", "--swiglu", "--use-fused-swiglu",
              "--use-fused-rotary-pos-emb"]
     _, calls = _train(launcher, 2, flags, "fused_swiglu, local_norm, fused_rope", [RMS_NORM_OP, SWIGLU_OP, ROTARY_OP])
@@ -426,7 +427,7 @@ def megatron_lm_arguments():
     (["--transformer-impl", "transformer_engine", "--tp-comm-overlap"],
      "Megatron without Transformer Engine cannot run with --tp-comm-overlap True"),
     (["--hybrid-override-pattern", "M*-"], "has Mamba layers (M), whose megatron-core module needs mamba_ssm"),
-    (["--hybrid-override-pattern", "*E", "--disable-bias-linear"],
+    (["--hybrid-override-pattern", "*E"],
      "has MoE layers (E), which megatron-core's hybrid specs build as grouped experts: grouped experts"),
     (["--multi-latent-attention", "--position-embedding-type", "alibi"],
      "--position-embedding-type alibi cannot run with --multi-latent-attention True"),
@@ -598,7 +599,7 @@ def test_hybrid_moe_layers(launcher):
     (["--moe-grouped-gemm", "--transformer-impl", "transformer_engine"],
      "--moe-grouped-gemm: grouped experts (megatron-core's TEGroupedMLP) with biased linear layers cannot use the "
      "bias-dropout fusion: pass --no-bias-dropout-fusion, or --disable-bias-linear"),
-    (["--moe-grouped-gemm", "--transformer-impl", "transformer_engine", "--disable-bias-linear"],
+    (["--moe-grouped-gemm", "--transformer-impl", "transformer_engine", "--no-bias-dropout-fusion"],
      "fuse the bias into SwiGLU or quick-GeGLU only: pass --no-bias-gelu-fusion (or --swiglu)"),
 ])
 def test_moe_grouped_gemm_combinations_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
@@ -608,6 +609,16 @@ def test_moe_grouped_gemm_combinations_fail_in_validate_args(megatron_lm_argumen
     args = megatron_lm_arguments.parse_args()
     with pytest.raises(FeatureArgumentError, match=re.escape(message)):
         megatron_lm_arguments.validate_args(args, {})
+
+
+def test_moe_grouped_gemm_without_biases_has_no_bias_activation_fusion_to_refuse(megatron_lm_arguments, monkeypatch):
+    """Without biases Megatron-LM's validate_args turns the bias-GeLU fusion off itself, so GeLU or squared-ReLU
+    grouped experts (Megatron's hybrid MoE tests) validate; the refusal is for biased experts only."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, "--moe-grouped-gemm", "--transformer-impl",
+                                      "transformer_engine", "--disable-bias-linear"])
+    args = megatron_lm_arguments.parse_args()
+    megatron_lm_arguments.validate_args(args, {})
+    assert args.moe_grouped_gemm and not args.bias_gelu_fusion
 
 
 @pytest.mark.parametrize("flags, message", [

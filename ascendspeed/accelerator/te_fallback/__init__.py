@@ -16,7 +16,8 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 (so ALiBi, fused RoPE and fused SwiGLU, which patch megatron-core's local classes, apply on these paths too),
 ``TEColumnParallelGroupedLinear`` / ``TERowParallelGroupedLinear`` -> ascendspeed's grouped linears
 (``grouped_linear.py``, the ``grouped_linear`` operator), so ``--moe-grouped-gemm`` builds megatron-core's
-``TEGroupedMLP``.
+``TEGroupedMLP``. The T5, BERT and heterogeneous-GPT spec modules, which bind TE's names only where TE imports,
+get the stand-ins too.
 
 ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
 MLA up projections) off Transformer Engine's fp8 state, which it asked for even with fp8 off.

@@ -16,6 +16,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from ascendspeed.features.local_mla.attention import set_head_sizes
+from ascendspeed.features.local_norm.norm import LocalNorm
 from ascendspeed.ops.core_attention import packed_core_attention
 
 _WHERE = "Transformer Engine is not installed; ascendspeed builds megatron-core's local modules for its classes"
@@ -27,12 +28,25 @@ def _names(name: Optional[str]) -> dict:
 
 
 def local_te_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False) -> torch.nn.Module:
-    """``TENorm``: the norm of megatron-core's local spec (``WrappedTorchNorm``; ascendspeed's ``local_norm``
-    makes it sequence-parallel, zero-centred or fused where those are switched on)."""
+    """``TENorm``: the norm of megatron-core's local spec (``WrappedTorchNorm``; with ascendspeed's ``local_norm``
+    on, sequence-parallel, zero-centred or fused). TE's norm always supports sequence parallelism and
+    zero-centred gamma, which megatron-core's ``WrappedTorchNorm`` refuses: where a model built without
+    ascendspeed's arguments (megatron-core's own tests, a user's script) asks for them, ``LocalNorm`` serves."""
     if has_residual and getattr(config, "fused_residual_rmsnorm", False):
         raise ValueError(f"{_WHERE}: the fused residual RMSNorm is a TE kernel; drop --fused-residual-rmsnorm")
+    needs_te_modes = config.sequence_parallel or config.layernorm_zero_centered_gamma
+    if needs_te_modes and config.normalization in ("LayerNorm", "RMSNorm") and not _local_norm_applied():
+        return LocalNorm(config.normalization, hidden_size, eps, sequence_parallel=config.sequence_parallel,
+                         zero_centered_gamma=config.layernorm_zero_centered_gamma, fused=False,
+                         dtype=config.params_dtype)
     # TE's norms hold their weights in params_dtype; torch's LayerNorm/RMSNorm are made in the default dtype.
     return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps).to(dtype=config.params_dtype)
+
+
+def _local_norm_applied() -> bool:
+    from ascendspeed.patching import MANAGER
+
+    return "local_norm" in MANAGER.features()
 
 
 class LocalTELinearBase:
@@ -81,6 +95,26 @@ class LocalTELayerNormColumnParallelLinear(LocalTEColumnParallelLinear):
 
     def forward(self, x, weight=None, runtime_gather_output=None):
         return super().forward(self._te_norm(x), weight=weight, runtime_gather_output=runtime_gather_output)
+
+
+class LocalTELayerNormColumnParallelLinearGathered(LocalTELayerNormColumnParallelLinear):
+    """megatron-core's heterogeneous-model ``TELayerNormColumnParallelLinearGathered`` (defined only where TE
+    imports): a hidden-to-hidden layer-norm linear that stands in for a whole attention or MLP block, its
+    tensor-parallel output brought back to the full hidden size by megatron-core's own gather (a
+    reduce-scatter under sequence parallelism)."""
+
+    def __init__(self, config, tp_comm_buffer_name, *args, **kwargs):
+        super().__init__(
+            config.hidden_size, config.hidden_size, config=config, init_method=config.init_method,
+            gather_output=False, bias=config.add_bias_linear, skip_bias_add=False, is_expert=False,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+        )
+
+    def forward(self, x, **kwargs):
+        from megatron.core.transformer.heterogeneous.linear_replacements import _gather_from_tensor_parallel_region
+
+        output, bias = super().forward(x)
+        return _gather_from_tensor_parallel_region(output, self.config), bias
 
 
 class LocalTERowParallelLinear(RowParallelLinear):

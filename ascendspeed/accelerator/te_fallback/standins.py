@@ -74,6 +74,12 @@ class TELayerNormColumnParallelLinear(_StandIn):
     builder = "LocalTELayerNormColumnParallelLinear"
 
 
+class TELayerNormColumnParallelLinearGathered(_StandIn):
+    """The heterogeneous specs' block replacement: ``(config, tp_comm_buffer_name)``."""
+
+    builder = "LocalTELayerNormColumnParallelLinearGathered"
+
+
 class TEColumnParallelLinear(_StandIn):
     builder = "LocalTEColumnParallelLinear"
 
@@ -106,8 +112,8 @@ class TESpecProvider(_StandIn):
     builder = "LocalTESpecProvider"
 
 
-for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TEColumnParallelLinear, TERowParallelLinear,
-                  TEDotProductAttention, TEColumnParallelGroupedLinear, TERowParallelGroupedLinear, TESpecProvider):
+for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TELayerNormColumnParallelLinearGathered,
+                  TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention, TEColumnParallelGroupedLinear, TERowParallelGroupedLinear, TESpecProvider):
     _stand_in.__module__ = __name__
 
 
@@ -121,6 +127,41 @@ _ROW = ("input_size, output_size, *, config, init_method, bias, input_is_paralle
         "tp_comm_buffer_name=None, tp_group=None")
 _ATTENTION = ("config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
               "k_channels=None, v_channels=None")
+
+
+#: Model spec modules that import TE's classes only where TE imports, and what they bind there before megatron-core
+#: 0.16 (the T5 and heterogeneous specs: nothing; BERT's: None); from 0.16 all bind None.
+#: Spec modules that import TE's classes by name (None, or absent before 0.16, where TE does not import):
+#: (target, stand-in, what the name holds before megatron-core 0.16).
+_SPEC_MODULE_STAND_INS = (
+    ("megatron.core.models.T5.t5_spec:TEColumnParallelLinear", TEColumnParallelLinear, ABSENT),
+    ("megatron.core.models.T5.t5_spec:TEDotProductAttention", TEDotProductAttention, ABSENT),
+    ("megatron.core.models.T5.t5_spec:TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, ABSENT),
+    ("megatron.core.models.T5.t5_spec:TENorm", TENorm, ABSENT),
+    ("megatron.core.models.T5.t5_spec:TERowParallelLinear", TERowParallelLinear, ABSENT),
+    ("megatron.core.models.bert.bert_layer_specs:TEDotProductAttention", TEDotProductAttention, _NONE),
+    ("megatron.core.models.bert.bert_layer_specs:TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, _NONE),
+    ("megatron.core.models.bert.bert_layer_specs:TERowParallelLinear", TERowParallelLinear, _NONE),
+    ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:TEDotProductAttention", TEDotProductAttention, ABSENT),
+    ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:TELayerNormColumnParallelLinear", TELayerNormColumnParallelLinear, ABSENT),
+    ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:TENorm", TENorm, ABSENT),
+    ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:TERowParallelLinear", TERowParallelLinear, ABSENT),
+    ("megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs:TELayerNormColumnParallelLinearGathered", TELayerNormColumnParallelLinearGathered, ABSENT),
+)
+
+
+def _spec_module_patches() -> list[Patch]:
+    patches = []
+    for target, stand_in, before_0_16 in _SPEC_MODULE_STAND_INS:
+        module = target.split(":")[0].rsplit(".", 1)[1]
+        name = f"TE fallback: {module} builds its TE spec on the stand-ins"
+        patches += [replace(target, stand_in, expect=expect, megatron=versions, name=name)
+                    for expect, versions in ((before_0_16, "<0.16"), (_NONE, ">=0.16"))]
+    # the BERT TE spec refuses to build unless its copy of HAVE_TE is set; its classes are the stand-ins above
+    patches.append(replace("megatron.core.models.bert.bert_layer_specs:HAVE_TE", True,
+                           expect=describe_signature(False),
+                           name="TE fallback: bert_layer_specs builds its TE spec on the stand-ins"))
+    return patches
 
 
 def wrap_clip_vit_init(original):
@@ -226,4 +267,5 @@ def patches() -> list[Patch]:
                 megatron=">=0.17", name=mla),
         replace("megatron.core.transformer.multi_latent_attention:TEColumnParallelLinear", TEColumnParallelLinear,
                 expect=_NONE, megatron=">=0.17", name=mla),
+        *_spec_module_patches(),
     ]

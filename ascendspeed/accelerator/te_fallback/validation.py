@@ -20,7 +20,6 @@ TE_ONLY = (
                 f"CUDA graphs capture CUDA kernels; {_NO_TE}: drop the flag"),
     Unsupported("external_cuda_graph", "--external-cuda-graph", False,
                 f"CUDA graphs capture CUDA kernels; {_NO_TE}: drop the flag"),
-    Unsupported("te_rng_tracker", "--te-rng-tracker", False, f"{_NO_TE}: drop the flag"),
     Unsupported("use_te_activation_func", "--use-te-activation-func", False, f"{_NO_TE}: drop the flag"),
     Unsupported("use_transformer_engine_op_fuser", "--use-transformer-engine-op-fuser", False,
                 f"{_NO_TE}: drop the flag"),
@@ -70,7 +69,9 @@ def check_grouped_expert_settings(args, what: str) -> None:
             "bias-dropout fusion: pass --no-bias-dropout-fusion, or --disable-bias-linear"
         )
     gated = getattr(args, "swiglu", False) or getattr(args, "quick_geglu", False)
-    if not gated and getattr(args, "bias_gelu_fusion", False):
+    # without biases Megatron-LM's validate_args (after this check) turns the bias-activation fusion off
+    biased = getattr(args, "add_bias_linear", False)
+    if not gated and biased and getattr(args, "bias_gelu_fusion", False):
         raise FeatureArgumentError(
             f"{what}: grouped experts (megatron-core's TEGroupedMLP) fuse the bias into SwiGLU or quick-GeGLU "
             "only: pass --no-bias-gelu-fusion (or --swiglu)"
