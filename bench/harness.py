@@ -85,7 +85,15 @@ def machine(torch=None) -> dict:
     if torch is not None:
         info |= {"torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "threads": torch.get_num_threads()}
-    return info | {"load_average_1min": load_average()}
+    return info | {"load_average_1min": load_average(), "host_allocator": host_allocator()}
+
+
+def host_allocator() -> str:
+    """How the run's host memory is managed: ascendspeed's policy on CPU ranks (``keep`` freed memory, or
+    glibc's ``system`` defaults; ``accelerator/cpu_allocator.py``) and any ``MALLOC_*`` settings."""
+    policy = os.environ.get("ASCENDSPEED_CPU_ALLOCATOR", "keep") or "keep"
+    settings = " ".join(f"{name}={value}" for name, value in sorted(os.environ.items()) if name.startswith("MALLOC_"))
+    return f"{policy} {settings}".strip()
 
 
 def timed(fn: Callable[..., T], *args) -> tuple[T, float]:

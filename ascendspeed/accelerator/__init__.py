@@ -7,7 +7,8 @@
 * ``cuda`` when torch sees a CUDA device: Megatron's native platform, nothing is patched;
 * ``cpu`` otherwise: the shims of feature ``accelerator.cpu`` give Megatron's CUDA spellings CPU meanings
   (see ``cpu_runtime``, ``cpu_tensors``, ``cpu_megatron_core``, ``cpu_megatron_lm``, ``triton_guard``), and
-  feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``).
+  feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``);
+  glibc's malloc keeps freed host memory for reuse, as a device's caching allocator does (``cpu_allocator``).
 
 On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
 classes with megatron-core's local modules (``te_fallback``).
@@ -164,9 +165,13 @@ def install(manager: PatchManager = MANAGER) -> str:
     """Select the device, install its shims, log the choice (once); returns the device name."""
     global _installed
     device = select_device()
+    keeps_host_memory = False
     if device == "cpu":
+        from ascendspeed.accelerator import cpu_allocator
+
         manager.apply(CPU_FEATURE, cpu_patches())
         manager.apply(GLOO_P2P_FEATURE, gloo_p2p_patches())
+        keeps_host_memory = cpu_allocator.apply_requested_policy()
     elif device == "npu":
         _install_npu(manager)
     from ascendspeed.accelerator import te_fallback
@@ -177,7 +182,9 @@ def install(manager: PatchManager = MANAGER) -> str:
     manager.apply(MODEL_SPACE_CHECKPOINTS_FEATURE, model_space_checkpoints_patches())
     if _installed != device:
         how = f"{ENVIRONMENT_VARIABLE}={device}" if forced_device() else "detected"
-        logger.info("ascendspeed: running Megatron on %s (%s)", device, how)
+        logger.info("ascendspeed: running Megatron on %s (%s)%s", device, how,
+                    "; freed host memory kept for reuse (ASCENDSPEED_CPU_ALLOCATOR=system: glibc's defaults)"
+                    if keeps_host_memory else "")
         _installed = device
     return device
 

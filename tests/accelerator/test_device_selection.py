@@ -72,7 +72,8 @@ def test_the_choice_is_logged_once(caplog, reinstalled):
         accelerator.install(MANAGER)
         accelerator.install(MANAGER)
     messages = [r.getMessage() for r in caplog.records if r.name == "ascendspeed.accelerator"]
-    assert messages == ["ascendspeed: running Megatron on cpu (ASCENDSPEED_DEVICE=cpu)"]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("ascendspeed: running Megatron on cpu (ASCENDSPEED_DEVICE=cpu)")
 
 
 def test_current_device_is_a_torch_device():

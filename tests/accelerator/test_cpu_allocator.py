@@ -1,0 +1,55 @@
+"""CPU ranks keep freed host memory for reuse: a step's second large buffer costs no page faults."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ascendspeed.accelerator import cpu_allocator
+
+pytestmark = pytest.mark.skipif(cpu_allocator._glibc() is None, reason="the C library is not glibc")
+
+#: In a fresh process: import the adaptor, then fill a freed-and-reallocated 64 MiB tensor as a training step's
+#: iterations do, and count the page faults of the last fill (the first ones grow the heap).
+PROBE = """
+import json, resource, torch
+import ascendspeed.megatron_adaptor  # noqa: F401
+from ascendspeed import accelerator
+
+def faults_of_a_step_buffer():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer = torch.empty(16 << 20, dtype=torch.float32)  # 64 MiB, above glibc's largest mmap threshold
+    buffer.fill_(1.0)
+    del buffer
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+for _ in range(3):
+    faults_of_a_step_buffer()
+print(json.dumps({"device": accelerator.device_type(), "faults": faults_of_a_step_buffer()}))
+"""
+
+
+def _step_buffer_faults(policy):
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}
+    environment.update(ASCENDSPEED_DEVICE="cpu", **({cpu_allocator.ENVIRONMENT_VARIABLE: policy} if policy else {}))
+    result = subprocess.run([sys.executable, "-c", PROBE], env=environment, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["device"] == "cpu"
+    return report["faults"]
+
+
+def test_freed_host_memory_is_reused_by_default_and_given_back_with_the_system_policy():
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+    kept = _step_buffer_faults(None)
+    system = _step_buffer_faults("system")
+    assert kept < pages // 100, f"{kept} page faults for a reused 64 MiB buffer ({pages} pages)"
+    assert system > pages // 2, f"glibc's defaults fault a fresh 64 MiB mapping in: {system} of {pages} pages"
+
+
+def test_an_unknown_policy_names_the_variable_and_the_choices(monkeypatch):
+    monkeypatch.setenv(cpu_allocator.ENVIRONMENT_VARIABLE, "jemalloc")
+    with pytest.raises(ValueError, match="ASCENDSPEED_CPU_ALLOCATOR='jemalloc': expected one of keep, system"):
+        cpu_allocator.requested_policy()
