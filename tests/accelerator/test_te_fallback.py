@@ -198,13 +198,18 @@ def test_other_models_te_layer_specs_equal_their_local_specs(megatron_world, spe
     _assert_same_step(local, te, hidden, padding)
 
 
+@pytest.mark.parametrize("norm_class", ["TENorm", "WrappedTorchNorm"])
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-def test_te_norm_serves_sequence_parallel_and_zero_centred_gamma_as_te_does(megatron_world, normalization):
-    """megatron-core's WrappedTorchNorm refuses both; TE's TENorm has them, also without ascendspeed's arguments
-    (megatron-core's tests build models from configs alone)."""
+def test_te_norm_serves_sequence_parallel_and_zero_centred_gamma_as_te_does(megatron_world, normalization,
+                                                                            norm_class):
+    """megatron-core's WrappedTorchNorm (the local spec's norm) refuses both; TE's TENorm has them, also without
+    ascendspeed's arguments (megatron-core's tests build models from configs alone, e.g. its multi-token
+    prediction layer on the local spec under SP); where TE is absent both build the same norm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
     config = _config(normalization=normalization, layernorm_zero_centered_gamma=True)
     config.sequence_parallel = True   # set after validation: it needs TP > 1 there, and this is one process
-    norm = te_classes.TENorm(config, 32, eps=1e-5)
+    norm = {"TENorm": te_classes.TENorm, "WrappedTorchNorm": WrappedTorchNorm}[norm_class](config, 32, eps=1e-5)
     assert norm.weight.dtype == torch.float64 and not norm.weight.any(), "stored as gamma - 1, initialised 0"
     assert all(param.sequence_parallel for param in norm.parameters())
     with torch.no_grad():

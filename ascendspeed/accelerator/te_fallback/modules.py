@@ -27,6 +27,18 @@ def _names(name: Optional[str]) -> dict:
     return {} if name is None else {"name": name}
 
 
+def local_norm_for_te_modes(config, hidden_size: int, eps: float):
+    """``LocalNorm`` where the config asks for what TE's norm has and megatron-core's ``WrappedTorchNorm`` refuses
+    (sequence parallelism, zero-centred gamma) and ascendspeed's ``local_norm`` feature does not already build
+    it; else None."""
+    needs_te_modes = config.sequence_parallel or config.layernorm_zero_centered_gamma
+    if needs_te_modes and config.normalization in ("LayerNorm", "RMSNorm") and not _local_norm_applied():
+        return LocalNorm(config.normalization, hidden_size, eps, sequence_parallel=config.sequence_parallel,
+                         zero_centered_gamma=config.layernorm_zero_centered_gamma, fused=False,
+                         dtype=config.params_dtype)
+    return None
+
+
 def local_te_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False) -> torch.nn.Module:
     """``TENorm``: the norm of megatron-core's local spec (``WrappedTorchNorm``; with ascendspeed's ``local_norm``
     on, sequence-parallel, zero-centred or fused). TE's norm always supports sequence parallelism and
@@ -34,11 +46,9 @@ def local_te_norm(config, hidden_size: int, eps: float = 1e-5, has_residual: boo
     ascendspeed's arguments (megatron-core's own tests, a user's script) asks for them, ``LocalNorm`` serves."""
     if has_residual and getattr(config, "fused_residual_rmsnorm", False):
         raise ValueError(f"{_WHERE}: the fused residual RMSNorm is a TE kernel; drop --fused-residual-rmsnorm")
-    needs_te_modes = config.sequence_parallel or config.layernorm_zero_centered_gamma
-    if needs_te_modes and config.normalization in ("LayerNorm", "RMSNorm") and not _local_norm_applied():
-        return LocalNorm(config.normalization, hidden_size, eps, sequence_parallel=config.sequence_parallel,
-                         zero_centered_gamma=config.layernorm_zero_centered_gamma, fused=False,
-                         dtype=config.params_dtype)
+    norm = local_norm_for_te_modes(config, hidden_size, eps)
+    if norm is not None:
+        return norm
     # TE's norms hold their weights in params_dtype; torch's LayerNorm/RMSNorm are made in the default dtype.
     return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=eps).to(dtype=config.params_dtype)
 

@@ -178,6 +178,22 @@ def wrap_clip_vit_init(original):
     return __init__
 
 
+def wrap_torch_norm_new(original):
+    """``WrappedTorchNorm``, the local spec's norm (the only spec where TE is absent), with the modes of TE's norm
+    that megatron-core refuses for it: sequence parallelism and zero-centred gamma build the norm the ``TENorm``
+    stand-in builds (megatron-core's multi-token-prediction layer asks for it so under SP)."""
+
+    @functools.wraps(original)
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        norm = importlib.import_module(_MODULES).local_norm_for_te_modes(config, hidden_size, eps)
+        if norm is not None:
+            return norm
+        return original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+
+    return __new__
+
+
 def _name(name: str) -> str:
     return f"TE fallback: replace {name} with megatron-core's local modules"
 
@@ -267,5 +283,9 @@ def patches() -> list[Patch]:
                 megatron=">=0.17", name=mla),
         replace("megatron.core.transformer.multi_latent_attention:TEColumnParallelLinear", TEColumnParallelLinear,
                 expect=_NONE, megatron=">=0.17", name=mla),
+        wrap("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", wrap_torch_norm_new,
+             expect="(cls, config, hidden_size, eps=1e-05, persist_layer_norm=False, zero_centered_gamma=False, "
+                    "normalization='LayerNorm')",
+             name="TE fallback: the local spec's norm with sequence parallelism and zero-centred gamma, as TENorm"),
         *_spec_module_patches(),
     ]
