@@ -204,6 +204,17 @@ def test_gpt_loss_and_gradients_do_not_depend_on_the_backend(megatron_world, mon
         assert mu.relative_error(fused_grads[name], megatron_grads[name]) < 1e-5, name
 
 
+def _run_pack(module, packed, total, heads, groups, head_dim, dtype):
+    """Forward and backward of ``module`` on a random THD pack: the inputs, output, output gradient and the
+    inputs' float64 leaves for the reference."""
+    q = torch.randn(total, heads, head_dim).to(dtype).requires_grad_()
+    k, v = (torch.randn(total, groups, head_dim).to(dtype).requires_grad_() for _ in range(2))
+    out = module(q, k, v, None, packed_seq_params=packed)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    return (q, k, v), out, grad, [t.detach().double().requires_grad_() for t in (q, k, v)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_thd_pack_attends_within_each_sequence(megatron_world, dtype):
     """Transformer Engine's packed format, which Megatron's local attention refuses: [tokens, heads, d]
@@ -215,13 +226,7 @@ def test_a_thd_pack_attends_within_each_sequence(megatron_world, dtype):
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                              max_seqlen_q=8, max_seqlen_kv=8)
-    q = torch.randn(total, heads, head_dim).to(dtype).requires_grad_()
-    k, v = (torch.randn(total, groups, head_dim).to(dtype).requires_grad_() for _ in range(2))
-    out = module(q, k, v, None, packed_seq_params=packed)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (q, k, v), out, grad, leaves = _run_pack(module, packed, total, heads, groups, head_dim, dtype)
     pieces = [reference(*(t[start:end].unsqueeze(1) for t in leaves), None if end - start == 1 else
                         causal(end - start, end - start), module.softmax_scale)
               for start, end in zip(bounds + [20], bounds[1:] + [total])]
@@ -248,13 +253,7 @@ def test_a_thd_pack_with_padding_between_sequences(megatron_world, dtype):
                              cu_seqlens_q_padded=torch.tensor(slots, dtype=torch.int32),
                              cu_seqlens_kv_padded=torch.tensor(slots, dtype=torch.int32), max_seqlen_q=8,
                              max_seqlen_kv=8)
-    q = torch.randn(total, heads, head_dim).to(dtype).requires_grad_()
-    k, v = (torch.randn(total, groups, head_dim).to(dtype).requires_grad_() for _ in range(2))
-    out = module(q, k, v, None, packed_seq_params=packed)
-    grad = torch.randn_like(out)
-    out.backward(grad)
-
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    (q, k, v), out, grad, leaves = _run_pack(module, packed, total, heads, groups, head_dim, dtype)
     expected = torch.zeros(total, heads * head_dim, dtype=torch.float64)
     tokens = torch.zeros(total, dtype=torch.bool)
     for start, length in zip(slots, lengths):

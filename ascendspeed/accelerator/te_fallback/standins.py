@@ -113,7 +113,8 @@ class TESpecProvider(_StandIn):
 
 
 for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TELayerNormColumnParallelLinearGathered,
-                  TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention, TEColumnParallelGroupedLinear, TERowParallelGroupedLinear, TESpecProvider):
+                  TEColumnParallelLinear, TERowParallelLinear, TEDotProductAttention, TEColumnParallelGroupedLinear,
+                  TERowParallelGroupedLinear, TESpecProvider):
     _stand_in.__module__ = __name__
 
 
@@ -129,8 +130,6 @@ _ATTENTION = ("config, layer_number, attn_mask_type, attention_type, attention_d
               "k_channels=None, v_channels=None")
 
 
-#: Model spec modules that import TE's classes only where TE imports, and what they bind there before megatron-core
-#: 0.16 (the T5 and heterogeneous specs: nothing; BERT's: None); from 0.16 all bind None.
 #: Spec modules that import TE's classes by name (None, or absent before 0.16, where TE does not import):
 #: (target, stand-in, what the name holds before megatron-core 0.16).
 _SPEC_MODULE_STAND_INS = (
