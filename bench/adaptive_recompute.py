@@ -194,7 +194,7 @@ def parse(argv=None):
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--profiling-steps", type=int, default=5)
+    parser.add_argument("--profiling-steps", type=int, default=6)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])

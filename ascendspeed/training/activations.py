@@ -6,6 +6,10 @@ saves its weight) is not an activation and is left out.
 Accounts nest: torch uses only the innermost pair of saved-tensor hooks, so one pair serves every account that
 is recording, and a tensor saved while several record is counted by each (the pretraining entry's activation
 line around a step, adaptive recompute's per-layer profile inside it).
+
+A storage freed while saved (megatron-core's norm recompute frees the norm's output, which the next linear
+saved, and recomputes it in backward) stops counting when it is freed (``stop_counting``); its
+re-materialisation inside backward is not counted.
 """
 from __future__ import annotations
 
@@ -35,23 +39,33 @@ def model_state_tensors(model_chunks) -> list:
     return tensors
 
 
-class _Saved:
-    __slots__ = ("tensor", "key", "accounts")
+class _Storage:
+    """One saved storage in one account: its savers alive, and its bytes while they hold it."""
 
-    def __init__(self, tensor, key, accounts):
-        self.tensor, self.key, self.accounts = tensor, key, accounts
+    __slots__ = ("key", "savers", "nbytes")
+
+    def __init__(self, key: tuple, nbytes: int):
+        self.key, self.savers, self.nbytes = key, 0, nbytes
+
+
+class _Saved:
+    __slots__ = ("tensor", "counted")
+
+    def __init__(self, tensor, counted):
+        self.tensor, self.counted = tensor, counted
 
     def __del__(self):
-        for account in self.accounts:
-            account._release(self.key)
+        for account, storage in self.counted:
+            account._release(storage)
 
 
 def _pack(tensor: torch.Tensor):
     key = _storage_key(tensor)
     if key is None:
         return tensor
-    counted = tuple(account for account in _RECORDING if account._count(tensor, key))
-    return _Saved(tensor, key, counted) if counted else tensor
+    counted = tuple((account, storage) for account in _RECORDING
+                    for storage in (account._count(tensor, key),) if storage is not None)
+    return _Saved(tensor, counted) if counted else tensor
 
 
 def _unpack(saved):
@@ -70,27 +84,32 @@ class SavedTensorAccount:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def _count(self, tensor: torch.Tensor, key: tuple) -> bool:
+    def _count(self, tensor: torch.Tensor, key: tuple) -> Optional[_Storage]:
         if key in self._excluded:
-            return False
-        entry = self._savers.get(key)
-        if entry is None:
-            nbytes = tensor.untyped_storage().nbytes()
-            self._savers[key] = [1, nbytes]
-            self.live += nbytes
+            return None
+        storage = self._savers.get(key)
+        if storage is None:
+            storage = self._savers[key] = _Storage(key, tensor.untyped_storage().nbytes())
+            self.live += storage.nbytes
             self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-        return True
+        storage.savers += 1
+        return storage
 
-    def _release(self, key) -> None:
-        entry = self._savers.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._savers[key]
+    def _release(self, storage: _Storage) -> None:
+        storage.savers -= 1
+        if storage.savers == 0:
+            self.live -= storage.nbytes
+            storage.nbytes = 0
+            if self._savers.get(storage.key) is storage:
+                del self._savers[storage.key]
+
+    def _discard(self, key: tuple) -> None:
+        """The storage at ``key`` was freed while its savers live (its bytes come back when backward
+        recomputes it): no longer counted, and its address free for another storage."""
+        storage = self._savers.pop(key, None)
+        if storage is not None:
+            self.live -= storage.nbytes
+            storage.nbytes = 0
 
     @contextlib.contextmanager
     def recording(self):
@@ -104,3 +123,18 @@ class SavedTensorAccount:
             _RECORDING.remove(self)
             if hooks is not None:
                 hooks.__exit__(None, None, None)
+
+
+
+def storage_key(tensor: torch.Tensor) -> Optional[tuple]:
+    """How an account knows a storage (None for an empty one)."""
+    return _storage_key(tensor)
+
+
+def stop_counting(keys) -> None:
+    """The storages at ``keys`` were freed though autograd still holds them (megatron-core's norm recompute
+    frees a norm's output that the next linear saved, and recomputes it in backward): every recording account
+    stops counting them."""
+    for key in keys:
+        for account in _RECORDING:
+            account._discard(key)

@@ -11,7 +11,9 @@ from ascendspeed.accelerator import cpu_allocator
 pytestmark = pytest.mark.skipif(cpu_allocator._glibc() is None, reason="the C library is not glibc")
 
 #: In a fresh process: import the adaptor, then fill a freed-and-reallocated 64 MiB tensor as a training step's
-#: iterations do, and count the page faults of the last fill (the first ones grow the heap).
+#: iterations do, and count the page faults of the later fills (the first ones grow the heap), the fewest of
+#: three: the process's fault counter also counts what other threads and the kernel do meanwhile (one CI run
+#: counted a whole buffer's faults once with the policy applied).
 PROBE = """
 import json, resource, torch
 import ascendspeed.megatron_adaptor  # noqa: F401
@@ -26,7 +28,8 @@ def faults_of_a_step_buffer():
 
 for _ in range(3):
     faults_of_a_step_buffer()
-print(json.dumps({"device": accelerator.device_type(), "faults": faults_of_a_step_buffer()}))
+faults = [faults_of_a_step_buffer() for _ in range(3)]
+print(json.dumps({"device": accelerator.device_type(), "faults": min(faults), "each": faults}))
 """
 
 
@@ -38,15 +41,15 @@ def _step_buffer_faults(policy):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["device"] == "cpu"
-    return report["faults"]
+    return report["faults"], report["each"]
 
 
 def test_freed_host_memory_is_reused_by_default_and_given_back_with_the_system_policy():
     pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-    kept = _step_buffer_faults(None)
-    system = _step_buffer_faults("system")
-    assert kept < pages // 100, f"{kept} page faults for a reused 64 MiB buffer ({pages} pages)"
-    assert system > pages // 2, f"glibc's defaults fault a fresh 64 MiB mapping in: {system} of {pages} pages"
+    kept, kept_each = _step_buffer_faults(None)
+    system, system_each = _step_buffer_faults("system")
+    assert kept < pages // 100, f"page faults {kept_each} for a reused 64 MiB buffer ({pages} pages)"
+    assert system > pages // 2, f"glibc's defaults fault a fresh 64 MiB mapping in: {system_each} of {pages} pages"
 
 
 def test_an_unknown_policy_names_the_variable_and_the_choices(monkeypatch):

@@ -255,3 +255,85 @@ def test_clip_vit_model_builds_with_its_default_norms(megatron_world):
     out = model(torch.randn(2, 3, 8, 8))
     assert isinstance(model.ln_pre, (torch.nn.LayerNorm, WrappedTorchNorm)) and model.ln_pre.weight.shape == (32,)
     assert out.shape == (2, 4 + 1, 32) and torch.isfinite(out).all()
+
+
+def _rope_inputs(tokens, dtype, d=16, d_rot=8, heads=3, batch=2, generator=None):
+    """Fresh [s, b, h, d] inputs and Megatron-style fp32 angles [max_s, 1, 1, d_rot] (partial rotation)."""
+    t = torch.randn(tokens, batch, heads, d, generator=generator).to(dtype)
+    inverse = 1.0 / (10000 ** (torch.arange(0, d_rot, 2, dtype=torch.float32) / d_rot))
+    angles = torch.outer(torch.arange(2 * tokens, dtype=torch.float32), inverse)
+    return t, torch.cat((angles, angles), dim=-1)[:, None, None, :]
+
+
+def _rope_step(function, t, cotangent):
+    t = t.detach().clone().requires_grad_(True)
+    out = function(t)
+    (out.double() * cotangent).sum().backward()
+    return out.detach(), t.grad
+
+
+#: (forward, input gradient) tolerances against the float64 reference: fp32 rounds once, bf16 once more.
+ROPE_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [5, 32])
+def test_rope_fusion_runs_as_megatrons_unfused_rope(megatron_world, tokens, dtype):
+    """``apply_rope_fusion=True`` was refused without TE ("Please install TE >= 1.4"); through megatron-core's
+    own ``apply_rotary_pos_emb`` it now runs the stand-in, which equals megatron-core's unfused RoPE computed in
+    float64, forward and backward, the features past the rotated ones unchanged."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    config = _config(apply_rope_fusion=True)
+    generator = torch.Generator().manual_seed(tokens)
+    t, freqs = _rope_inputs(tokens, dtype, generator=generator)
+    freqs = freqs[:tokens]
+    cotangent = torch.randn(t.shape, dtype=torch.float64, generator=generator)
+    found = _rope_step(lambda x: rope_utils.apply_rotary_pos_emb(x, freqs, config), t, cotangent)
+    expected = _rope_step(lambda x: rope_utils._apply_rotary_pos_emb_bshd(x, freqs.double()), t.double(), cotangent)
+    assert found[0].dtype == dtype
+    for value, reference in zip(found, expected):
+        torch.testing.assert_close(value.double(), reference, **ROPE_TOLERANCE[dtype])
+    torch.testing.assert_close(found[0][..., 8:], t[..., 8:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_packed_rope_fusion_rotates_each_sequence_from_its_start_on_every_context_parallel_rank(cp_size, interleaved):
+    """TE's packed (``thd``) fused RoPE contract: each sequence's positions start at 0, and context-parallel rank
+    ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of every sequence. Reference: megatron-core's unfused RoPE on
+    each whole sequence in float64, then the rank's chunks."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    lengths = [8, 4, 12]
+    generator = torch.Generator().manual_seed(cp_size)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    whole, freqs = _rope_inputs(sum(lengths), torch.float32, batch=1, generator=generator)
+    cotangent = torch.randn(whole.shape, dtype=torch.float64, generator=generator)
+    starts = cu_seqlens[:-1].tolist()
+    expected = [torch.cat([_rope_step(lambda x: rope_utils._apply_rotary_pos_emb_bshd(
+        x, freqs[:length].double(), rotary_interleaved=interleaved), whole[start:start + length].double(),
+        cotangent[start:start + length])[part] for start, length in zip(starts, lengths)]) for part in (0, 1)]
+    for rank in range(cp_size):
+        rows = torch.cat([start + positions for start, positions in zip(starts, _rank_positions(lengths, cp_size, rank))])
+        found = _rope_step(lambda x: rope_utils.fused_apply_rotary_pos_emb_thd(
+            x[:, 0], cu_seqlens, freqs, cp_size=cp_size, cp_rank=rank, interleaved=interleaved)[:, None],
+            whole[rows], cotangent[rows])
+        for value, reference in zip(found, expected):
+            torch.testing.assert_close(value.double(), reference[rows], **ROPE_TOLERANCE[torch.float32])
+
+
+def _rank_positions(lengths, cp_size, rank):
+    """Per sequence, the positions context-parallel rank ``rank`` holds (megatron-core's load-balanced split)."""
+    if cp_size == 1:
+        return [torch.arange(length) for length in lengths]
+    chunks = [torch.arange(length).chunk(2 * cp_size) for length in lengths]
+    return [torch.cat((parts[rank], parts[2 * cp_size - 1 - rank])) for parts in chunks]
+
+
+def test_packed_rope_fusion_refuses_sequences_context_parallelism_cannot_split():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    t, freqs = _rope_inputs(5, torch.float32, batch=1)
+    with pytest.raises(ValueError, match="pad it to a multiple of 4"):
+        rope_utils.fused_apply_rotary_pos_emb_thd(t[:, 0], torch.tensor([0, 5], dtype=torch.int32), freqs, cp_size=2)

@@ -4,6 +4,7 @@ second one), where every plan trains exactly as without recompute, the measured 
 between the full-recompute and the no-recompute peaks, the stages choose different plans for the same budget,
 and a budget below full recompute is refused at the end of profiling naming the minimum; then interleaved
 stages of MoE layers, and context parallelism over both ranks, whose ranks (one stage) agree on one plan.
+The profiling steps include one recomputing every layer's norms, core attention and MLP.
 """
 import itertools
 import random
@@ -17,7 +18,7 @@ from tests.helpers.distributed import run_distributed
 MIB = 2**20
 
 
-def _random_layer(rng, mlp_recompute=True):
+def _random_layer(rng, mlp_recompute=True, norms=True):
     none = rng.randint(50, 100)
     attention = none - rng.randint(0, 30)
     saved = {solver.NONE: none, solver.ATTENTION: attention, solver.ATTENTION_MLP: attention - rng.randint(0, 20),
@@ -26,6 +27,12 @@ def _random_layer(rng, mlp_recompute=True):
                solver.FULL: 3 + rng.random()}
     if not mlp_recompute:
         del saved[solver.ATTENTION_MLP], seconds[solver.ATTENTION_MLP]
+    if norms:
+        norms_saved, norms_seconds = rng.randint(0, 15), 0.1 * rng.random()
+        for option in [option for option in saved if option != solver.FULL]:
+            with_norms = solver.selective_option(solver.recomputed_parts(option) | {"norms"})
+            saved[with_norms] = max(1, saved[option] - norms_saved)
+            seconds[with_norms] = seconds[option] + norms_seconds
     return solver.LayerProfile(saved, seconds)
 
 
@@ -33,9 +40,7 @@ def _brute_force(chunks, units, allowed):
     """Every option per layer with the same full prefix in every chunk; the cheapest that fits."""
     flat = [layer for chunk in chunks for layer in chunk]
     best = None
-    for options in itertools.product(solver.OPTIONS, repeat=len(flat)):
-        if any(option not in layer.saved_bytes for layer, option in zip(flat, options)):
-            continue
+    for options in itertools.product(*(list(layer.saved_bytes) for layer in flat)):
         prefixes, start, valid = set(), 0, True
         for chunk in chunks:
             mine = options[start:start + len(chunk)]
@@ -54,8 +59,8 @@ def _brute_force(chunks, units, allowed):
 def test_solver_finds_the_cheapest_plan_that_fits():
     rng = random.Random(0)
     for _ in range(300):
-        chunks = [[_random_layer(rng, mlp_recompute=rng.random() > 0.2) for _ in range(rng.randint(1, 4))]
-                  for _ in range(rng.choice((1, 1, 2)))]
+        chunks = [[_random_layer(rng, mlp_recompute=rng.random() > 0.2, norms=rng.random() > 0.2)
+                   for _ in range(rng.randint(1, 3))] for _ in range(rng.choice((1, 1, 2)))]
         layers = sum(len(chunk) for chunk in chunks)
         units = rng.randint(1, 3)
         allowed = rng.randint(0, 100 * layers * units)
@@ -81,7 +86,7 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "1",
         "--train-iters", "8", "--log-interval", "6", "--eval-interval", "0", "--eval-iters", "1",
         "--split", "998,2", "--eval-seq-lengths", "256", "--pipeline-model-parallel-size", "2"]
-PROFILING = ["--adaptive-recompute-profiling-step", "5"]
+PROFILING = ["--adaptive-recompute-profiling-step", "6"]
 FRACTIONS = (0.25, 0.5, 0.75)
 #: Two model chunks per stage (interleaved 1F1B) of MoE layers.
 VPP_MOE = ["--num-layers-per-virtual-pipeline-stage", "1", "--num-experts", "4", "--moe-router-topk", "2",
@@ -143,6 +148,7 @@ def _job(rank, world_size):
         refusal = str(error)
     return {"reference": reference.losses, "bounds": (low, high), "runs": runs, "refusal": refusal,
             "minimum": probe.minimum_bytes, "units": probe.units, "reference_activations": reference.activations,
+            "profiles": probe.profiles,
             "first_step_activations": probed.activations[0][1],
             "vpp_moe": _halfway_run(VPP_MOE),
             "cp2": _halfway_run(CP2),
@@ -227,6 +233,19 @@ def test_the_ranks_of_a_stage_solve_the_largest_of_their_measurements(job):
     assert solver.ATTENTION_MLP not in first["agreed"][0][1].saved_bytes, "a layer without MLP recompute keeps none"
 
 
+def test_recomputing_the_norms_saves_their_outputs(job):
+    # each layer's two norms give back their outputs (kept by the next linear or the MLP's checkpoint): a
+    # [seq, micro-batch, hidden] fp32 tensor each, freed in forward and recomputed in backward
+    output_bytes = 256 * 4 * 64 * 4
+    for rank, result in enumerate(job):
+        for layer in (layer for chunk in result["profiles"] for layer in chunk):
+            saved = layer.saved_bytes
+            for option in (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP):
+                with_norms = solver.selective_option(solver.recomputed_parts(option) | {"norms"})
+                assert 2 * output_bytes <= saved[option] - saved[with_norms] <= 3 * output_bytes, (rank, option)
+                assert layer.recompute_seconds[with_norms] > layer.recompute_seconds[option], (rank, option)
+
+
 def test_stages_holding_other_micro_batches_get_other_plans(job):
     # 1F1B with 4 micro-batches: the first stage holds two at once, the last one
     assert [result["units"] for result in job] == [2, 1]
@@ -250,7 +269,7 @@ def _validate(**flags):
 
 @pytest.mark.parametrize("flags, message", [
     (dict(adaptive_recompute_device_size=0), "a memory size in MiB"),
-    (dict(adaptive_recompute_device_size=1000, adaptive_recompute_profiling_step=3), "use 5 or more"),
+    (dict(adaptive_recompute_device_size=1000, adaptive_recompute_profiling_step=5), "use 6 or more"),
     (dict(adaptive_recompute_device_size=1000, recompute_granularity="full"), "drop one of them"),
     (dict(memory_fragmentation=True), "on the CPU"),
 ])

@@ -241,14 +241,15 @@ RECOMPUTE_OPTIONS = "ascendspeed.features.adaptive_recompute.controller:apply_op
 
 
 def test_adaptive_recompute_profiles_and_plans_in_megatron_lm(launcher, tensor_parallel_losses):
-    """--adaptive-recompute-device-size with TP 2: the profiling steps run every recompute option (none, core
-    attention, core attention and MLP, full) through Megatron-LM's training loop, the plan is printed with its
-    predicted and measured peak, and the losses are plain TP 2's throughout."""
-    flags = [*TP_COMPARABLE, "--adaptive-recompute-device-size", "100000", "--adaptive-recompute-profiling-step", "5"]
+    """--adaptive-recompute-device-size with TP 2: the profiling steps run every profiled recompute option (none,
+    core attention, core attention and MLP, full, core attention and MLP and the norms) through Megatron-LM's
+    training loop, the plan is printed with its predicted and measured peak, and the losses are plain TP 2's
+    throughout."""
+    flags = [*TP_COMPARABLE, "--adaptive-recompute-device-size", "100000", "--adaptive-recompute-profiling-step", "6"]
     losses, calls, output = _checked_run(launcher, 2, flags, "adaptive_recompute", [RECOMPUTE_OPTIONS])
     assert losses == pytest.approx(tensor_parallel_losses, rel=1e-5)
-    assert set(calls.values()) == {6}, calls  # 5 profiling steps and the plan
-    assert output.count("plan after 5 profiling steps") == 2 and output.count("measured peak with the plan") == 2
+    assert set(calls.values()) == {7}, calls  # 6 profiling steps and the plan
+    assert output.count("plan after 6 profiling steps") == 2 and output.count("measured peak with the plan") == 2
 
 
 def test_sequence_parallel_with_fused_rmsnorm_and_rope_matches_megatron(launcher):

@@ -19,7 +19,8 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 ``TEGroupedMLP``. The T5, BERT and heterogeneous-GPT spec modules, which bind TE's names only where TE imports,
 get the stand-ins too.
 
-``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
+``rope.py`` serves megatron-core's RoPE fusion (``apply_rope_fusion``) with ascendspeed's rotary operator where
+megatron-core would take TE's fused kernels. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
 MLA up projections) off Transformer Engine's fp8 state, which it asked for even with fp8 off.
 
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
@@ -58,9 +59,9 @@ def serves_local_modules(args) -> bool:
 
 
 def patches():
-    from ascendspeed.accelerator.te_fallback import recompute, standins
+    from ascendspeed.accelerator.te_fallback import recompute, rope, standins
 
-    return standins.patches() + recompute.patches()
+    return standins.patches() + recompute.patches() + rope.patches()
 
 
 def check_arguments(args) -> None:

@@ -1,8 +1,11 @@
 """Adaptive recompute while training: profile the first steps, choose the plan, apply it, report.
 
 Profiling steps run every layer of the rank with one option at a time (none, core attention, core attention
-and MLP, full), cycling, and record per layer the activation bytes it keeps (``training.activations.SavedTensorAccount``)
-and the forward seconds of the layer, its core attention and its MLP (the recompute cost of each option).
+and MLP, full, core attention and MLP and the norms), cycling, and record per layer the activation bytes it keeps
+(``training.activations.SavedTensorAccount``) and the forward seconds of the layer, its core attention, its MLP
+and its norms (the recompute cost of each option). What recomputing the norms saves does not depend on the rest
+of the option (their outputs are kept by the next linear, or by the MLP's checkpoint, either way), so the step
+with the norms gives the norm variants of every selective option.
 After the last profiling step the plan is solved (``solver.solve``) against
 
     budget = static + other + the plan's activation peak
@@ -32,7 +35,7 @@ from ascendspeed.features.timing import max_over_ranks
 from ascendspeed.training.activations import SavedTensorAccount, model_state_tensors
 
 MIB = 2**20
-PROFILED_OPTIONS = (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP, solver.FULL)
+PROFILED_OPTIONS = (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP, solver.FULL, solver.ATTENTION_MLP_NORMS)
 ATTRIBUTION_SLACK_BYTES = 4096
 
 
@@ -49,6 +52,24 @@ def transformer_blocks(model_chunks) -> list:
 def mlp_recompute_supported(layer) -> bool:
     """Whether this layer has an MLP megatron-core can checkpoint (dense or MoE)."""
     return getattr(layer, "mlp", None) is not None
+
+
+#: megatron-core's per-layer switches of norm recompute (read in the layer's forward), and their norms.
+NORM_RECOMPUTE_SWITCHES = (("recompute_input_layernorm", "input_layernorm"),
+                           ("recompute_pre_mlp_layernorm", "pre_mlp_layernorm"))
+
+
+def _is_separate_norm(module) -> bool:
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return module is not None and not isinstance(module, IdentityOp)
+
+
+def separate_norms(layer) -> list:
+    """The layer's norms megatron-core can recompute on their own: modules of their own, not fused into the
+    next linear (``IdentityOp`` in their place, as in Transformer Engine's specs)."""
+    return [getattr(layer, norm) for switch, norm in NORM_RECOMPUTE_SWITCHES
+            if hasattr(layer, switch) and _is_separate_norm(getattr(layer, norm, None))]
 
 
 def _fc2_handing_out_its_bias(layer):
@@ -75,10 +96,14 @@ def fold_fc2_bias(layer, fold: bool) -> None:
 
 def set_layer_option(layer, option: str) -> None:
     """The selective part of ``option`` on one layer (full recompute is set on the block's config)."""
+    parts = solver.recomputed_parts(option)
     attention = getattr(layer, "self_attention", None)
     if attention is not None and hasattr(attention, "checkpoint_core_attention"):
-        attention.checkpoint_core_attention = option in (solver.ATTENTION, solver.ATTENTION_MLP)
-    mlp_flag = option == solver.ATTENTION_MLP and mlp_recompute_supported(layer)
+        attention.checkpoint_core_attention = "attention" in parts
+    for switch, norm in NORM_RECOMPUTE_SWITCHES:
+        if hasattr(layer, switch):
+            setattr(layer, switch, "norms" in parts and _is_separate_norm(getattr(layer, norm, None)))
+    mlp_flag = "mlp" in parts and mlp_recompute_supported(layer)
     moe_targets = [target for target in (layer, getattr(layer, "mlp", None))
                    if target is not None and hasattr(target, "moe_layer_recompute")]
     if moe_targets:
@@ -175,6 +200,17 @@ def agreed_within_stage(profiles, *byte_counts: int):
     return agreed, counts
 
 
+def _taken(available, option: str) -> str:
+    """The option a layer took when asked for ``option``: without the MLP or the norms where it cannot
+    recompute them (``available``: the options it can take)."""
+    parts = solver.recomputed_parts(option)
+    for dropped in ((), ("mlp",), ("norms",), ("mlp", "norms")):
+        candidate = option if not dropped else solver.selective_option(parts - set(dropped))
+        if candidate in available:
+            return candidate
+    raise ValueError(f"a layer that can take {sorted(available)} cannot take {option}")
+
+
 def _print_on_rank(line: str) -> None:
     import torch.distributed as dist
 
@@ -198,6 +234,7 @@ class AdaptiveRecompute:
         self.minimum_bytes: Optional[int] = None
         self.none_peak_bytes: Optional[int] = None
         self.units: Optional[int] = None
+        self.profiles: Optional[list] = None  # per model chunk, its layers' solver.LayerProfile
 
     def remember_optimizer(self, optimizer) -> None:
         self.optimizer_ref = weakref.ref(optimizer)
@@ -222,6 +259,8 @@ class AdaptiveRecompute:
                        for (b, i), layer in layers.items() if hasattr(getattr(layer, "self_attention", None),
                                                                        "core_attention")})
         probes.update({(b, i, "mlp"): layer.mlp for (b, i), layer in layers.items() if hasattr(layer, "mlp")})
+        probes.update({(b, i, "norm", n): norm for (b, i), layer in layers.items()
+                       for n, norm in enumerate(separate_norms(layer))})
         probes.update({(b, "block"): block for b, block in enumerate(blocks)})
         account = SavedTensorAccount(model_state_tensors(model_chunks))
         probe = ModuleProbe(account, probes)
@@ -250,8 +289,8 @@ class AdaptiveRecompute:
     # -- the plan ------------------------------------------------------------------------------------
     def _plan(self, blocks, schedule_name: str, num_microbatches: int, static: int) -> None:
         units = self.units = units_in_flight(schedule_name, num_microbatches)
-        profiles = [[self._layer_profile(b, i, mlp_recompute_supported(layer)) for i, layer in enumerate(block.layers)]
-                    for b, block in enumerate(blocks)]
+        profiles = [[self._layer_profile(b, i, mlp_recompute_supported(layer), len(separate_norms(layer)))
+                     for i, layer in enumerate(block.layers)] for b, block in enumerate(blocks)]
         flat = [layer for chunk in profiles for layer in chunk]
         none_bytes = sum(layer.saved_bytes[solver.NONE] for layer in flat)
         # the no-recompute steps after the first (warm-up: optimizer state allocated during it)
@@ -268,6 +307,7 @@ class AdaptiveRecompute:
                        for option in PROFILED_OPTIONS if option != solver.NONE)
         overhead = max(0, shared, residual) + ATTRIBUTION_SLACK_BYTES * len(flat) * units
         profiles, (static, other, overhead) = agreed_within_stage(profiles, static, other, overhead)
+        self.profiles = profiles
         flat = [layer for chunk in profiles for layer in chunk]
         none_bytes = sum(layer.saved_bytes[solver.NONE] for layer in flat)
         allowed = self.budget_bytes - static - other
@@ -300,33 +340,42 @@ class AdaptiveRecompute:
 
     @staticmethod
     def _profiled_options(layers, option: str) -> list:
-        """The per-layer options of a profiling step that gave every layer ``option`` (core attention alone
-        where the layer's MLP cannot be recomputed)."""
-        return [option if option in layer.saved_bytes else solver.ATTENTION for layer in layers]
+        """The per-layer options of a profiling step that gave every layer ``option`` (without the MLP or the
+        norms where the layer cannot recompute them)."""
+        return [_taken(layer.saved_bytes, option) for layer in layers]
 
     def _per_call(self, option: str, key, field: int, reduce=list):
         """A probed module's ``field`` (saved bytes 0, seconds 1, input bytes 2) per forward call, in each
         profiling step of ``option``, reduced."""
         return reduce([sample[key][field] / sample[key][3] for sample in self.samples[option] if key in sample])
 
-    def _layer_profile(self, block: int, index: int, mlp_recompute: bool) -> solver.LayerProfile:
+    def _layer_profile(self, block: int, index: int, mlp_recompute: bool, norms: int) -> solver.LayerProfile:
+        """The layer's bytes and seconds per option it can take: measured for the profiled options, and for
+        the norm variants the profiled selective option less what the norms saved in their profiling step."""
         per_call = self._per_call
-        saved = {}
-        for option in (solver.NONE, solver.ATTENTION, solver.ATTENTION_MLP):
-            saved[option] = int(max(per_call(option, (block, index), 0)))
-        saved[solver.FULL] = int(max(per_call(solver.NONE, (block, index), 2)))
+
+        def measured(option):
+            return int(max(per_call(option, (block, index), 0)))
 
         def seconds(key):
             values = per_call(solver.NONE, key, 1)
             timed = values[1:] or values  # the first no-recompute step warms up
             return min(timed) if timed else 0.0
 
-        attention = seconds((block, index, "attention"))
-        mlp = seconds((block, index, "mlp"))
-        costs = {solver.NONE: 0.0, solver.ATTENTION: attention, solver.ATTENTION_MLP: attention + mlp,
-                 solver.FULL: seconds((block, index))}
-        if not mlp_recompute:
-            del saved[solver.ATTENTION_MLP], costs[solver.ATTENTION_MLP]
+        attention, mlp = seconds((block, index, "attention")), seconds((block, index, "mlp"))
+        saved = {solver.NONE: measured(solver.NONE), solver.ATTENTION: measured(solver.ATTENTION),
+                 solver.FULL: int(max(per_call(solver.NONE, (block, index), 2)))}
+        costs = {solver.NONE: 0.0, solver.ATTENTION: attention, solver.FULL: seconds((block, index))}
+        if mlp_recompute:
+            saved[solver.ATTENTION_MLP], costs[solver.ATTENTION_MLP] = measured(solver.ATTENTION_MLP), attention + mlp
+        if norms:
+            without_norms = solver.ATTENTION_MLP if mlp_recompute else solver.ATTENTION
+            norms_saved = max(0, saved[without_norms] - measured(solver.ATTENTION_MLP_NORMS))
+            norms_seconds = sum(seconds((block, index, "norm", n)) for n in range(norms))
+            for option in [option for option in saved if option != solver.FULL]:
+                with_norms = solver.selective_option(solver.recomputed_parts(option) | {"norms"})
+                saved[with_norms] = max(0, saved[option] - norms_saved)
+                costs[with_norms] = costs[option] + norms_seconds
         return solver.LayerProfile(saved, costs)
 
     # -- memory outside the activations --------------------------------------------------------------

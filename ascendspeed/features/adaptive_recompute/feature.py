@@ -11,7 +11,8 @@ from ascendspeed.accelerator import te_fallback
 from ascendspeed.features.base import Feature, FeatureArgumentError
 
 DEFAULT_PROFILING_STEPS = 10
-MIN_PROFILING_STEPS = 5
+#: The five profiled options in turn, then no recompute again: the first step (no recompute) warms up.
+MIN_PROFILING_STEPS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,8 @@ class AdaptiveRecomputeFeature(Feature[AdaptiveRecomputeSettings]):
             "--adaptive-recompute-device-size", type=int, default=None, metavar="MB",
             help="The memory (MiB) a rank may use: the first --adaptive-recompute-profiling-step steps measure "
             "each layer's activations and recompute cost, then each layer gets no recompute, selective "
-            "(core attention; core attention and MLP) or full recompute, the cheapest plan that fits.",
+            "(the norms; core attention; core attention and MLP; each of these with the norms) or full recompute, "
+            "the cheapest plan that fits.",
         )
         group.add_argument(
             "--adaptive-recompute-profiling-step", type=int, default=DEFAULT_PROFILING_STEPS, metavar="N",
@@ -67,8 +69,8 @@ class AdaptiveRecomputeFeature(Feature[AdaptiveRecomputeSettings]):
         steps = getattr(args, "adaptive_recompute_profiling_step", DEFAULT_PROFILING_STEPS)
         if steps < MIN_PROFILING_STEPS:
             raise FeatureArgumentError(
-                f"--adaptive-recompute-profiling-step {steps} is too few: each of the four recompute options is "
-                f"measured in turn, the first step warming up; use {MIN_PROFILING_STEPS} or more")
+                f"--adaptive-recompute-profiling-step {steps} is too few: five recompute options are measured in "
+                f"turn and no recompute twice, the first step warming up; use {MIN_PROFILING_STEPS} or more")
         granularity = getattr(args, "recompute_granularity", None)
         if granularity is not None:
             raise FeatureArgumentError(

@@ -1,12 +1,13 @@
 """Where adaptive recompute hooks into megatron-core: the training schedules (one call per step, in the
-pretraining entry and in Megatron-LM alike) and ``get_megatron_optimizer`` (whose optimizer state the memory
-account needs)."""
+pretraining entry and in Megatron-LM alike), ``get_megatron_optimizer`` (whose optimizer state the memory
+account needs); ``norm_recompute`` has megatron-core's norm recompute under the activation account."""
 from __future__ import annotations
 
 import functools
 
 from ascendspeed.features.adaptive_recompute.controller import AdaptiveRecompute
 from ascendspeed.features.schedule_signatures import NO_PIPELINING_0_15, SCHEDULE, SCHEDULE_0_15
+from ascendspeed.features.adaptive_recompute import norm_recompute
 from ascendspeed.patching import EXISTS, Patch, wrap
 
 
@@ -61,4 +62,4 @@ def patches(controller: AdaptiveRecompute) -> list[Patch]:
              interleaved, expect=SCHEDULE, megatron=">=0.16", name="adaptive recompute: interleaved schedule"),
         wrap("megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
              interleaved, expect=SCHEDULE_0_15, megatron="<0.16", name="adaptive recompute: interleaved schedule"),
-    ]
+    ] + norm_recompute.patches()

@@ -1,5 +1,6 @@
-"""The recompute plan: per transformer layer none, selective (core attention; core attention and MLP) or full
-recompute, the cheapest in recompute time whose activations fit the budget.
+"""The recompute plan: per transformer layer none, selective (core attention, core attention and MLP, each with
+or without the layer norms; the norms alone) or full recompute, the cheapest in recompute time whose activations
+fit the budget.
 
 The activation peak of a plan: ``units`` micro-batches in flight each keep the plan's bytes ``S``; and while
 backward re-materialises layer ``i`` (``none(i) - plan(i)`` more bytes), the layers after it in the same model
@@ -20,12 +21,28 @@ check against brute force).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Mapping, Optional, Sequence
 
-NONE, ATTENTION, ATTENTION_MLP, FULL = "none", "attention", "attention+mlp", "full"
-OPTIONS = (NONE, ATTENTION, ATTENTION_MLP, FULL)
-SELECTIVE = (NONE, ATTENTION, ATTENTION_MLP)
+NONE, NORMS, FULL = "none", "norms", "full"
+ATTENTION, ATTENTION_NORMS = "attention", "attention+norms"
+ATTENTION_MLP, ATTENTION_MLP_NORMS = "attention+mlp", "attention+mlp+norms"
+SELECTIVE = (NONE, NORMS, ATTENTION, ATTENTION_NORMS, ATTENTION_MLP, ATTENTION_MLP_NORMS)
+OPTIONS = SELECTIVE + (FULL,)
+
+
+def recomputed_parts(option: str) -> frozenset:
+    """What a selective option recomputes: a subset of {"attention", "mlp", "norms"} (none for none and full)."""
+    return frozenset() if option in (NONE, FULL) else frozenset(option.split("+"))
+
+
+def selective_option(parts) -> str:
+    """The selective option recomputing ``parts`` (a subset of {"attention", "mlp", "norms"})."""
+    name = "+".join(part for part in ("attention", "mlp", "norms") if part in parts)
+    if name and name not in SELECTIVE:
+        raise ValueError(f"no selective option recomputes {sorted(parts)}: the MLP is recomputed with core attention")
+    return name or NONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +111,19 @@ def _prepend(states, layer: LayerProfile, options: Sequence[str], credit: int):
                 grown.append((saved + layer.saved_bytes[option], seconds + layer.recompute_seconds[option],
                               max(excess, rematerialised - credit * saved), (option,) + chosen))
     grown.sort(key=lambda state: (state[0], state[1], credit * state[0] + state[2]))
-    kept = []
-    for state in grown:  # ascending bytes: keep a state unless a kept one is no slower and no higher bound
-        bound = credit * state[0] + state[2]
-        if not any(seconds <= state[1] and credit * saved + excess <= bound for saved, seconds, excess, _ in kept):
-            kept.append(state)
+    # ascending bytes: keep a state unless a kept one is no slower and no higher in bound; the kept states'
+    # least bound per seconds is a staircase (seconds ascending, bounds descending), so that is one bisection
+    kept, stair_seconds, stair_bounds = [], [], []
+    for state in grown:
+        seconds, bound = state[1], credit * state[0] + state[2]
+        at = bisect.bisect_right(stair_seconds, seconds)
+        if at and stair_bounds[at - 1] <= bound:
+            continue
+        kept.append(state)
+        end = at
+        while end < len(stair_bounds) and stair_bounds[end] >= bound:
+            end += 1
+        stair_seconds[at:end], stair_bounds[at:end] = [seconds], [bound]
     return kept
 
 
