@@ -116,6 +116,7 @@ def cpu_patches():
         + cpu_megatron_core.rng_patches()
         + cpu_megatron_core.process_group_patches()
         + cpu_megatron_core.moe_patches()
+        + cpu_megatron_core.rope_patches()
         + cpu_megatron_lm.patches()
         + cpu_fusions.patches()
         + triton_guard.patches()

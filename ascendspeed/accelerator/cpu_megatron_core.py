@@ -25,6 +25,9 @@
   again (Megatron's unit tests, ascendspeed's) kept every earlier state's groups alive, ~700 threads per
   rank after a dozen set-ups, all of them waking up. The groups made during ``initialize_model_parallel``
   are destroyed with the state.
+* ``models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE under context parallelism) builds
+  its chunk indices in pinned host memory and copies them to CUDA, which a CPU-only torch refuses ("Found no
+  NVIDIA driver"). It takes this rank's two chunks of the balanced layout on the embedding's own device.
 * ``tensor_parallel.mappings.all_to_all`` (the MoE alltoall dispatcher's exchange over the expert-parallel
   group) receives its split sizes as numpy arrays (the dispatcher copies the token counts to the host);
   NCCL's binding of ``all_to_all_single`` takes them, gloo's wants lists of ints ("incompatible function
@@ -144,6 +147,27 @@ def moe_patches():
         wrap("megatron.core.tensor_parallel.mappings:all_to_all", _wrap_all_to_all,
              expect="(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False)",
              megatron=">=0.18", name=name),
+    ]
+
+
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron-core's ``get_pos_emb_on_this_cp_rank`` on the embedding's device: of ``2 * cp`` equal chunks
+    along ``seq_dim``, rank ``r`` takes chunks ``r`` and ``2 * cp - 1 - r``, in that order."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    size, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * size, dim=seq_dim)
+    if len(chunks) != 2 * size or chunks[0].size(seq_dim) != chunks[-1].size(seq_dim):
+        raise ValueError(f"the position embedding's {pos_emb.size(seq_dim)} positions cannot be cut into "
+                         f"{2 * size} equal chunks for context parallelism over {size} ranks")
+    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=seq_dim)
+
+
+def rope_patches():
+    return [
+        replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+                pos_emb_on_this_cp_rank, expect="(pos_emb, seq_dim, cp_group)",
+                name="cpu rope: this context-parallel rank's positions without pinned memory or .cuda()"),
     ]
 
 

@@ -337,3 +337,80 @@ def test_packed_rope_fusion_refuses_sequences_context_parallelism_cannot_split()
     t, freqs = _rope_inputs(5, torch.float32, batch=1)
     with pytest.raises(ValueError, match="pad it to a multiple of 4"):
         rope_utils.fused_apply_rotary_pos_emb_thd(t[:, 0], torch.tensor([0, 5], dtype=torch.int32), freqs, cp_size=2)
+
+
+def _te_layer_context_parallel_job(rank, world_size):
+    """One TE-spec GPT layer built from a config alone (no context_parallel feature): whole sequences on one
+    context-parallel rank, then the same weights and inputs over two (p2p: ring; a2a: Ulysses), float64."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ascendspeed.accelerator.te_fallback.modules import LocalTEDotProductAttention
+
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.randn(16, 2, 32, dtype=torch.float64, generator=generator)
+    cotangent = torch.randn(16, 2, 32, dtype=torch.float64, generator=generator)
+    chunks = hidden.size(0) // (2 * world_size)
+    mine = torch.cat((torch.arange(rank * chunks, (rank + 1) * chunks),
+                      torch.arange((2 * world_size - 1 - rank) * chunks, (2 * world_size - rank) * chunks)))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    results, weights = {}, None
+    try:
+        for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a")):
+            parallel_state.initialize_model_parallel(context_parallel_size=cp)
+            model_parallel_cuda_manual_seed(1)
+            try:
+                config = _config(context_parallel_size=cp, cp_comm_type=comm)
+                layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+                attention = layer.self_attention.core_attention
+                assert isinstance(attention, LocalTEDotProductAttention)
+                assert (attention.__dict__.get("te_context_parallel") is not None) == (cp > 1)
+                if weights is None:
+                    weights = layer.state_dict()
+                layer.load_state_dict(weights)
+                rows = mine if cp > 1 else torch.arange(hidden.size(0))
+                local = hidden[rows].clone().requires_grad_(True)
+                output, _ = layer(local, attention_mask=None)
+                (output * cotangent[rows]).sum().backward()
+                grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
+                for grad in grads.values():
+                    torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+                results[(cp, comm)] = (output.detach(), local.grad, grads)
+            finally:
+                parallel_state.destroy_model_parallel()
+    finally:
+        torch.set_default_dtype(previous)
+    return {"rows": mine, "results": results}
+
+
+def test_te_attention_serves_context_parallelism_built_from_a_config_alone():
+    """megatron-core's local attention asserts "Context parallelism is only supported by
+    TEDotProductAttention!"; a model built from a config alone (megatron-core's API, Megatron's unit tests)
+    with ``context_parallel_size=2`` and the TE spec now runs ascendspeed's context-parallel attention in the
+    stand-in, and equals the one-rank layer: this rank's rows of the output and input gradient, and every
+    weight gradient summed over the ranks."""
+    from tests.helpers.distributed import run_distributed
+
+    for result in run_distributed(_te_layer_context_parallel_job, 2, timeout=300):
+        rows, results = result["rows"], result["results"]
+        whole_output, whole_input_grad, whole_grads = results[(1, "p2p")]
+        for comm in ("p2p", "a2a"):
+            output, input_grad, grads = results[(2, comm)]
+            torch.testing.assert_close(output, whole_output[rows], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(input_grad, whole_input_grad[rows], rtol=1e-12, atol=1e-12)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, whole_grads[name], rtol=1e-11, atol=1e-11, msg=f"{comm} {name}")
+
+
+def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_world):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from ascendspeed.accelerator.te_fallback.modules import _te_context_parallel
+
+    layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=_config(), layer_number=1)
+    attention = layer.self_attention.core_attention
+    with pytest.raises(ValueError, match="cp_comm_type 'allgather' has no local equivalent; use one of p2p, a2a"):
+        _te_context_parallel(attention, attention.config, AttnMaskType.causal, "allgather", None)
+    with pytest.raises(ValueError, match="serves causal attention"):
+        _te_context_parallel(attention, attention.config, AttnMaskType.padding, "p2p", None)

@@ -25,7 +25,7 @@ from ascendspeed.features.context_parallel.ring import ring_attention
 from ascendspeed.features.context_parallel.settings import HYBRID, RING, ULYSSES, ContextParallelSettings
 from ascendspeed.features.context_parallel.telemetry import RingTelemetry
 from ascendspeed.features.context_parallel.ulysses import local_core_attention, ulysses_attention
-from ascendspeed.patching import Patch, replace, wrap
+from ascendspeed.patching import Patch, wrap
 
 @dataclasses.dataclass
 class ContextParallelState:
@@ -202,14 +202,6 @@ def wrap_attention_forward(original):
     return forward
 
 
-def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
-    """Replaces megatron-core's ``get_pos_emb_on_this_cp_rank`` (which pins host memory and copies to CUDA):
-    this rank's two chunks of the position embedding, in the balanced layout, on its own device."""
-    if cp_group is None:
-        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-    return layout.split_for_rank(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
-
-
 def patches(settings: ContextParallelSettings, state: ContextParallelState) -> list[Patch]:
     return [
         wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
@@ -221,7 +213,4 @@ def patches(settings: ContextParallelSettings, state: ContextParallelState) -> l
              expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
                     "packed_seq_params=None)",
              name="context parallel: attention over the sequence shards of the context-parallel group"),
-        replace("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
-                pos_emb_on_this_cp_rank, expect="(pos_emb, seq_dim, cp_group)",
-                name="context parallel: RoPE positions of this rank's chunks without pinned memory"),
     ]
