@@ -153,14 +153,11 @@ def moe_patches():
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """megatron-core's ``get_pos_emb_on_this_cp_rank`` on the embedding's device: of ``2 * cp`` equal chunks
     along ``seq_dim``, rank ``r`` takes chunks ``r`` and ``2 * cp - 1 - r``, in that order."""
+    from ascendspeed.features.context_parallel import layout
+
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-    size, rank = cp_group.size(), cp_group.rank()
-    chunks = pos_emb.chunk(2 * size, dim=seq_dim)
-    if len(chunks) != 2 * size or chunks[0].size(seq_dim) != chunks[-1].size(seq_dim):
-        raise ValueError(f"the position embedding's {pos_emb.size(seq_dim)} positions cannot be cut into "
-                         f"{2 * size} equal chunks for context parallelism over {size} ranks")
-    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=seq_dim)
+    return layout.split_for_rank(pos_emb, seq_dim, cp_group.rank(), cp_group.size())
 
 
 def rope_patches():

@@ -21,7 +21,8 @@ import torch
 _RECORDING: list["SavedTensorAccount"] = []
 
 
-def _storage_key(tensor: torch.Tensor) -> Optional[tuple]:
+def storage_key(tensor: torch.Tensor) -> Optional[tuple]:
+    """How an account knows a storage (None for an empty one)."""
     storage = tensor.untyped_storage()
     pointer = storage.data_ptr()
     return (tensor.device, pointer) if pointer else None
@@ -60,7 +61,7 @@ class _Saved:
 
 
 def _pack(tensor: torch.Tensor):
-    key = _storage_key(tensor)
+    key = storage_key(tensor)
     if key is None:
         return tensor
     counted = tuple((account, storage) for account in _RECORDING
@@ -76,7 +77,7 @@ class SavedTensorAccount:
     """Live and peak bytes of the activations autograd keeps, while ``recording()`` is active."""
 
     def __init__(self, excluded: Iterable[torch.Tensor] = ()):
-        self._excluded = {key for key in (_storage_key(t) for t in excluded if t is not None) if key}
+        self._excluded = {key for key in (storage_key(t) for t in excluded if t is not None) if key}
         self._savers: dict = {}
         self.live = 0
         self.peak = 0
@@ -123,12 +124,6 @@ class SavedTensorAccount:
             _RECORDING.remove(self)
             if hooks is not None:
                 hooks.__exit__(None, None, None)
-
-
-
-def storage_key(tensor: torch.Tensor) -> Optional[tuple]:
-    """How an account knows a storage (None for an empty one)."""
-    return _storage_key(tensor)
 
 
 def stop_counting(keys) -> None:

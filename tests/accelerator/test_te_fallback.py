@@ -406,11 +406,9 @@ def test_te_attention_serves_context_parallelism_built_from_a_config_alone():
 def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_world):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from ascendspeed.accelerator.te_fallback.modules import _te_context_parallel
+    from ascendspeed.accelerator.te_fallback.modules import _te_context_parallel_settings
 
-    layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=_config(), layer_number=1)
-    attention = layer.self_attention.core_attention
     with pytest.raises(ValueError, match="cp_comm_type 'allgather' has no local equivalent; use one of p2p, a2a"):
-        _te_context_parallel(attention, attention.config, AttnMaskType.causal, "allgather", None)
+        _te_context_parallel_settings(AttnMaskType.causal, "allgather")
     with pytest.raises(ValueError, match="serves causal attention"):
-        _te_context_parallel(attention, attention.config, AttnMaskType.padding, "p2p", None)
+        _te_context_parallel_settings(AttnMaskType.padding, "p2p")

@@ -20,8 +20,9 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 get the stand-ins too.
 
 ``rope.py`` serves megatron-core's RoPE fusion (``apply_rope_fusion``) with ascendspeed's rotary operator where
-megatron-core would take TE's fused kernels. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput`` (selective recompute of norms, MoE activations,
-MLA up projections) off Transformer Engine's fp8 state, which it asked for even with fp8 off.
+megatron-core would take TE's fused kernels. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput``
+(selective recompute of norms, MoE activations, MLA up projections) off Transformer Engine's fp8 state, which it
+asked for even with fp8 off.
 
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
 ops, the legacy grouped_gemm experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).

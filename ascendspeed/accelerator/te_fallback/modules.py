@@ -6,7 +6,6 @@ the context ``[s, b, heads * v_channels]`` for the attention.
 """
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
@@ -223,15 +222,11 @@ def _context_parallel_feature_applied() -> bool:
 CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo"}
 
 
-def _te_context_parallel(layer, config, attn_mask_type, cp_comm_type, pg_collection):
+def _te_context_parallel_settings(attn_mask_type, cp_comm_type):
     """TE's own context parallelism, for a model built from a config alone (the ``context_parallel`` feature,
     switched on by flags, serves it otherwise): ascendspeed's ring (TE's ``p2p``) or Ulysses (``a2a``)
     attention over the context-parallel group, causal layers only, as TE's ``TEDotProductAttention`` is
     used in megatron-core's GPT specs."""
-    from megatron.core import parallel_state
-
-    from ascendspeed.features.context_parallel.megatron_attention import (ContextParallelAttention,
-                                                                          ContextParallelState)
     from ascendspeed.features.context_parallel.settings import ContextParallelSettings
 
     if cp_comm_type not in CP_COMM_TYPES:
@@ -240,38 +235,32 @@ def _te_context_parallel(layer, config, attn_mask_type, cp_comm_type, pg_collect
     if "causal" not in attn_mask_type.name:
         raise ValueError(f"{_WHERE}: context parallelism in TEDotProductAttention serves causal attention, and this "
                          f"layer's mask type is {attn_mask_type.name}")
-    if layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None:
-        raise ValueError(f"{_WHERE}: context parallelism supports neither a softmax type other than vanilla nor "
-                         "a window size")
-    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-    group = group if group is not None else parallel_state.get_context_parallel_group()
-    settings = ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type])
-    return ContextParallelAttention(settings, ContextParallelState(), group, causal_layer=True)
+    return ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type])
 
 
 class LocalTEDotProductAttention(DotProductAttention):
     """``TEDotProductAttention``: megatron-core's ``DotProductAttention``, with TE's separate key and value head
     sizes (``k_channels``, ``v_channels``: multi-latent attention), TE's forward signature and TE's context
-    parallelism (``_te_context_parallel``)."""
+    parallelism (``_te_context_parallel_settings``)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale=None, k_channels=None, v_channels=None, num_splits=None, cp_comm_type="p2p",
                  pg_collection=None):
         if num_splits is not None:
             raise ValueError(f"{_WHERE}: num_splits (flash-decoding) has no local equivalent")
+        from ascendspeed.features.context_parallel import megatron_attention
+
         serves_context_parallel = config.context_parallel_size > 1 and not _context_parallel_feature_applied()
-        built = config
-        if serves_context_parallel:  # megatron-core's local attention asserts one context-parallel rank
-            built = copy.copy(config)
-            built.context_parallel_size = 1
+        settings = _te_context_parallel_settings(attn_mask_type, cp_comm_type) if serves_context_parallel else None
+        built = megatron_attention.unsharded(config) if serves_context_parallel else config
         super().__init__(
             built, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
             softmax_scale=softmax_scale, cp_comm_type=None if built.context_parallel_size == 1 else cp_comm_type,
             pg_collection=pg_collection,
         )
         if serves_context_parallel:
-            self.config = config
-            self.te_context_parallel = _te_context_parallel(self, config, attn_mask_type, cp_comm_type, pg_collection)
+            self.te_context_parallel = megatron_attention.attach_context_parallel(
+                self, config, settings, megatron_attention.ContextParallelState(), pg_collection, causal_layer=True)
         set_head_sizes(self, k_channels, v_channels, softmax_scale)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -31,18 +31,17 @@ def thd_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch
     equal chunks and rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r`` (megatron-core's load-balanced
     layout), in that order, sequence after sequence.
     """
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    from ascendspeed.features.context_parallel import layout
+
     positions = []
-    for length in lengths:
-        if cp_size > 1 and length % (2 * cp_size):
-            raise ValueError(f"a packed sequence of {length} tokens cannot be split into {2 * cp_size} equal chunks "
-                             f"for context parallelism over {cp_size} ranks: pad it to a multiple of {2 * cp_size}")
+    for length in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist():
         if cp_size == 1:
             positions.append(torch.arange(length))
             continue
-        chunk = length // (2 * cp_size)
-        positions += [torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)]
+        if length % (2 * cp_size):
+            raise ValueError(f"a packed sequence of {length} tokens cannot be split into {2 * cp_size} equal chunks "
+                             f"for context parallelism over {cp_size} ranks: pad it to a multiple of {2 * cp_size}")
+        positions.append(layout.positions_on_rank(length, cp_rank, cp_size))
     return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
 
 

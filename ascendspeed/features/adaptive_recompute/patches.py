@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 
+from ascendspeed.features.adaptive_recompute import norm_recompute
 from ascendspeed.features.adaptive_recompute.controller import AdaptiveRecompute
 from ascendspeed.features.schedule_signatures import NO_PIPELINING_0_15, SCHEDULE, SCHEDULE_0_15
-from ascendspeed.features.adaptive_recompute import norm_recompute
 from ascendspeed.patching import EXISTS, Patch, wrap
 
 

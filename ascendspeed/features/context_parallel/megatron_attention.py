@@ -157,6 +157,24 @@ def _cp_group(pg_collection):
     return group if group is not None else parallel_state.get_context_parallel_group()
 
 
+def unsharded(config):
+    """``config`` with one context-parallel rank, to build megatron-core's local attention (which asserts one)."""
+    built = copy.copy(config)
+    built.context_parallel_size = 1
+    return built
+
+
+def attach_context_parallel(layer, config, settings: ContextParallelSettings, state: ContextParallelState,
+                            pg_collection, causal_layer: bool) -> ContextParallelAttention:
+    """For ``layer`` built from ``unsharded(config)``: its real config back, and the attention over its
+    context-parallel group."""
+    layer.config = config
+    if layer.softmax_offset is not None or layer.scale_mask_softmax.window_size is not None:
+        raise ValueError("context-parallel attention supports neither --softmax-type other than vanilla "
+                         "nor --window-size")
+    return ContextParallelAttention(settings, state, _cp_group(pg_collection), causal_layer)
+
+
 def wrap_attention_init(settings: ContextParallelSettings, state: ContextParallelState):
     """``DotProductAttention.__init__`` under context parallelism: build it as a one-rank layer (Megatron's
     assertion), keep the real config, attach the ``ContextParallelAttention``."""
@@ -168,17 +186,10 @@ def wrap_attention_init(settings: ContextParallelSettings, state: ContextParalle
             if config.context_parallel_size == 1:
                 return original(self, config, layer_number, attn_mask_type, attention_type, attention_dropout,
                                 softmax_scale, cp_comm_type, pg_collection)
-            unsharded = copy.copy(config)
-            unsharded.context_parallel_size = 1
-            original(self, unsharded, layer_number, attn_mask_type, attention_type, attention_dropout,
+            original(self, unsharded(config), layer_number, attn_mask_type, attention_type, attention_dropout,
                      softmax_scale, cp_comm_type, pg_collection)
-            self.config = config
-            if self.softmax_offset is not None or self.scale_mask_softmax.window_size is not None:
-                raise ValueError("context-parallel attention supports neither --softmax-type other than vanilla "
-                                 "nor --window-size")
-            self.context_parallel = ContextParallelAttention(
-                settings, state, _cp_group(pg_collection), causal_layer="causal" in attn_mask_type.name
-            )
+            self.context_parallel = attach_context_parallel(self, config, settings, state, pg_collection,
+                                                            causal_layer="causal" in attn_mask_type.name)
 
         return __init__
 
