@@ -11,7 +11,8 @@
   glibc's malloc keeps freed host memory for reuse, as a device's caching allocator does (``cpu_allocator``).
 
 On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
-classes with megatron-core's local modules (``te_fallback``).
+classes with megatron-core's local modules (``te_fallback``); where ``mamba_ssm`` does not import, feature
+``accelerator.mamba_fallback`` serves megatron-core's Mamba layers with torch kernels (``mamba_fallback``).
 
 On every device, feature ``accelerator.torch_adam`` lets distributed-optimizer checkpoints resume where
 megatron-core runs ``torch.optim.Adam`` because neither apex nor Transformer Engine is installed (every CPU,
@@ -41,10 +42,11 @@ CPU_FEATURE = "accelerator.cpu"
 GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
 TE_FALLBACK_FEATURE = "accelerator.te_fallback"
+MAMBA_FALLBACK_FEATURE = "accelerator.mamba_fallback"
 TORCH_ADAM_FEATURE = "accelerator.torch_adam"
 MODEL_SPACE_CHECKPOINTS_FEATURE = "accelerator.model_space_checkpoints"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, TORCH_ADAM_FEATURE,
-            MODEL_SPACE_CHECKPOINTS_FEATURE)
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, MAMBA_FALLBACK_FEATURE,
+            TORCH_ADAM_FEATURE, MODEL_SPACE_CHECKPOINTS_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +140,14 @@ def te_fallback_patches():
     return te_fallback.patches()
 
 
+def mamba_fallback_patches():
+    """Feature ``accelerator.mamba_fallback``: torch kernels for megatron-core's Mamba layers, installed on any
+    device where ``mamba_ssm`` does not import (``mamba_fallback``)."""
+    from ascendspeed.accelerator import mamba_fallback
+
+    return mamba_fallback.patches()
+
+
 def torch_adam_patches():
     """The patches of feature ``accelerator.torch_adam`` (every device: they act only without apex and TE)."""
     from ascendspeed.accelerator import torch_adam_checkpoints
@@ -179,6 +189,10 @@ def install(manager: PatchManager = MANAGER) -> str:
 
     if te_fallback.needed():
         manager.apply(TE_FALLBACK_FEATURE, te_fallback_patches())
+    from ascendspeed.accelerator import mamba_fallback
+
+    if mamba_fallback.needed():
+        manager.apply(MAMBA_FALLBACK_FEATURE, mamba_fallback_patches())
     manager.apply(TORCH_ADAM_FEATURE, torch_adam_patches())
     manager.apply(MODEL_SPACE_CHECKPOINTS_FEATURE, model_space_checkpoints_patches())
     if _installed != device:
@@ -219,6 +233,7 @@ __all__ = [
     "DeviceSelectionError",
     "FEATURES",
     "GLOO_P2P_FEATURE",
+    "MAMBA_FALLBACK_FEATURE",
     "MODEL_SPACE_CHECKPOINTS_FEATURE",
     "NPU_FEATURE",
     "TE_FALLBACK_FEATURE",

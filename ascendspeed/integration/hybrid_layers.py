@@ -5,9 +5,9 @@ are refused here, naming the layer's symbol and the package, instead of failing 
 Attention (``*``), MLP (``-``) and MoE (``E``) layers are megatron-core's own modules (with Transformer Engine's
 classes served by ``accelerator.te_fallback`` where TE is absent) and run on every device; the hybrid specs build
 MoE layers as grouped experts (``TEGroupedMLP``), whose own refusals (the bias-dropout fusion with biased
-linears, a bias-gelu fusion) are made here, naming the flags. Mamba (``M``) mixers call
-``mamba_ssm``'s and ``causal_conv1d``'s CUDA/triton kernels; gated delta net (``G``) layers call
-``fla`` (flash-linear-attention) triton kernels.
+linears, a bias-gelu fusion) are made here, naming the flags. Mamba (``M``) mixers call ``mamba_ssm``'s and
+``causal_conv1d``'s CUDA/triton kernels, served by ``accelerator.mamba_fallback`` where those are absent; gated
+delta net (``G``) layers call ``fla`` (flash-linear-attention) triton kernels.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from ascendspeed.features.base import FeatureArgumentError
 
 #: Pattern symbol -> (layer, the packages its megatron-core module needs).
 NEEDS_PACKAGES = {
-    "M": ("Mamba", ("mamba_ssm", "causal_conv1d")),
     "G": ("gated delta net", ("fla",)),
 }
 #: Megatron-LM's flags that hold a hybrid layer pattern (argument name -> flag); a release lacking one skips it.

@@ -339,29 +339,60 @@ def test_packed_rope_fusion_refuses_sequences_context_parallelism_cannot_split()
         rope_utils.fused_apply_rotary_pos_emb_thd(t[:, 0], torch.tensor([0, 5], dtype=torch.int32), freqs, cp_size=2)
 
 
+#: THD packs for the context-parallel layer test: (cu_seqlens, cu_seqlens_padded or None), 24 tokens in all
+TE_CP_PACKS = {"packed": ([0, 8, 12, 24], None), "padded": ([0, 6, 10, 21], [0, 8, 12, 24])}
+
+
+def _megatron_splits_thd_batches() -> bool:
+    """megatron-core 0.18+ splits a batch with ``cu_seqlens`` by TE's ``thd_get_partitioned_indices``."""
+    import megatron.core.utils
+
+    return hasattr(megatron.core.utils, "_get_batch_on_this_cp_rank_per_document_balancing")
+
+
+def _thd_batch_on_this_cp_rank(cp_group):
+    """megatron-core's own split of a packed batch (padded documents of 8, 4 and 12 tokens) on this rank."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    tokens = torch.arange(24)[None]
+    batch = {"tokens": tokens, "labels": tokens + 100, "loss_mask": torch.ones(1, 24), "position_ids": tokens,
+             "attention_mask": None, "cu_seqlens": torch.tensor([[0, 6, 10, 21]], dtype=torch.int32),
+             "cu_seqlens_padded": torch.tensor([[0, 8, 12, 24]], dtype=torch.int32)}
+    return get_batch_on_this_cp_rank(batch, False, cp_group)
+
+
 def _te_layer_context_parallel_job(rank, world_size):
     """One TE-spec GPT layer built from a config alone (no context_parallel feature): whole sequences on one
-    context-parallel rank, then the same weights and inputs over two (p2p: ring; a2a: Ulysses), float64."""
+    context-parallel rank, then the same weights and inputs over two (p2p and TE's default None: ring; a2a: Ulysses;
+    a2a+p2p: the hybrid, here of one Ulysses group), float64; and
+    the same for THD packs (with and without padding between the sequences)."""
     from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from ascendspeed.accelerator.te_fallback.modules import LocalTEDotProductAttention
+    from ascendspeed.features.context_parallel import layout
 
     generator = torch.Generator().manual_seed(7)
-    hidden = torch.randn(16, 2, 32, dtype=torch.float64, generator=generator)
-    cotangent = torch.randn(16, 2, 32, dtype=torch.float64, generator=generator)
-    chunks = hidden.size(0) // (2 * world_size)
-    mine = torch.cat((torch.arange(rank * chunks, (rank + 1) * chunks),
-                      torch.arange((2 * world_size - 1 - rank) * chunks, (2 * world_size - rank) * chunks)))
+    inputs = {"sbhd": (torch.randn(16, 2, 32, dtype=torch.float64, generator=generator), None)}
+    mine = {"sbhd": layout.positions_on_rank(16, rank, world_size)}
+    for name, (bounds, padded) in TE_CP_PACKS.items():
+        inputs[name] = (torch.randn(24, 1, 32, dtype=torch.float64, generator=generator), PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=torch.tensor(bounds, dtype=torch.int32),
+            cu_seqlens_kv=torch.tensor(bounds, dtype=torch.int32), max_seqlen_q=12, max_seqlen_kv=12,
+            cu_seqlens_q_padded=None if padded is None else torch.tensor(padded, dtype=torch.int32),
+            cu_seqlens_kv_padded=None if padded is None else torch.tensor(padded, dtype=torch.int32)))
+        mine[name] = layout.packed_positions_on_rank(torch.tensor(padded or bounds), rank, world_size)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     results, weights = {}, None
     try:
-        for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a")):
+        for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a"), (2, None), (2, "a2a+p2p")):
             parallel_state.initialize_model_parallel(context_parallel_size=cp)
             model_parallel_cuda_manual_seed(1)
             try:
-                config = _config(context_parallel_size=cp, cp_comm_type=comm)
+                config = _config(context_parallel_size=cp, cp_comm_type=comm,
+                                 hierarchical_context_parallel_sizes=[2, 1] if comm == "a2a+p2p" else None)
                 layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
                 attention = layer.self_attention.core_attention
                 assert isinstance(attention, LocalTEDotProductAttention)
@@ -369,14 +400,19 @@ def _te_layer_context_parallel_job(rank, world_size):
                 if weights is None:
                     weights = layer.state_dict()
                 layer.load_state_dict(weights)
-                rows = mine if cp > 1 else torch.arange(hidden.size(0))
-                local = hidden[rows].clone().requires_grad_(True)
-                output, _ = layer(local, attention_mask=None)
-                (output * cotangent[rows]).sum().backward()
-                grads = {name: param.grad.clone() for name, param in layer.named_parameters()}
-                for grad in grads.values():
-                    torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
-                results[(cp, comm)] = (output.detach(), local.grad, grads)
+                if cp > 1 and comm == "p2p" and _megatron_splits_thd_batches():
+                    results["thd batch"] = _thd_batch_on_this_cp_rank(parallel_state.get_context_parallel_group())
+                for name, (hidden, packed_seq_params) in inputs.items():
+                    layer.zero_grad()
+                    cotangent = torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden)
+                    rows = mine[name] if cp > 1 else torch.arange(hidden.size(0))
+                    local = hidden[rows].clone().requires_grad_(True)
+                    output, _ = layer(local, attention_mask=None, packed_seq_params=packed_seq_params)
+                    (output * cotangent[rows]).sum().backward()
+                    grads = {n: param.grad.clone() for n, param in layer.named_parameters()}
+                    for grad in grads.values():
+                        torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
+                    results[(name, cp, comm)] = (output.detach(), local.grad, grads)
             finally:
                 parallel_state.destroy_model_parallel()
     finally:
@@ -389,18 +425,25 @@ def test_te_attention_serves_context_parallelism_built_from_a_config_alone():
     TEDotProductAttention!"; a model built from a config alone (megatron-core's API, Megatron's unit tests)
     with ``context_parallel_size=2`` and the TE spec now runs ascendspeed's context-parallel attention in the
     stand-in, and equals the one-rank layer: this rank's rows of the output and input gradient, and every
-    weight gradient summed over the ranks."""
+    weight gradient summed over the ranks. THD packs too (each sequence split over the ranks, padding rows
+    zero as on one rank)."""
     from tests.helpers.distributed import run_distributed
 
     for result in run_distributed(_te_layer_context_parallel_job, 2, timeout=300):
-        rows, results = result["rows"], result["results"]
-        whole_output, whole_input_grad, whole_grads = results[(1, "p2p")]
-        for comm in ("p2p", "a2a"):
-            output, input_grad, grads = results[(2, comm)]
-            torch.testing.assert_close(output, whole_output[rows], rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(input_grad, whole_input_grad[rows], rtol=1e-12, atol=1e-12)
-            for name, grad in grads.items():
-                torch.testing.assert_close(grad, whole_grads[name], rtol=1e-11, atol=1e-11, msg=f"{comm} {name}")
+        results = result["results"]
+        if _megatron_splits_thd_batches():  # megatron-core's THD batch split: the rows the attention expects
+            split = results["thd batch"]
+            assert split["tokens"][0].tolist() == result["rows"]["padded"].tolist()
+            assert split["labels"][0].tolist() == (result["rows"]["padded"] + 100).tolist()
+        for name, rows in result["rows"].items():
+            whole_output, whole_input_grad, whole_grads = results[(name, 1, "p2p")]
+            for comm in ("p2p", "a2a", None, "a2a+p2p"):  # None: TE's default, p2p
+                output, input_grad, grads = results[(name, 2, comm)]
+                torch.testing.assert_close(output, whole_output[rows], rtol=1e-12, atol=1e-12, msg=f"{name} {comm}")
+                torch.testing.assert_close(input_grad, whole_input_grad[rows], rtol=1e-12, atol=1e-12)
+                for param, grad in grads.items():
+                    torch.testing.assert_close(grad, whole_grads[param], rtol=1e-11, atol=1e-11,
+                                               msg=f"{name} {comm} {param}")
 
 
 def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_world):
@@ -408,7 +451,13 @@ def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_wo
 
     from ascendspeed.accelerator.te_fallback.modules import _te_context_parallel_settings
 
-    with pytest.raises(ValueError, match="cp_comm_type 'allgather' has no local equivalent; use one of p2p, a2a"):
-        _te_context_parallel_settings(AttnMaskType.causal, "allgather")
+    config = _config(context_parallel_size=4, cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match="cp_comm_type 'allgather' has no local equivalent; use one of p2p, a2a, "
+                                         "a2a\\+p2p"):
+        _te_context_parallel_settings(config, AttnMaskType.causal, "allgather")
     with pytest.raises(ValueError, match="serves causal attention"):
-        _te_context_parallel_settings(AttnMaskType.padding, "p2p")
+        _te_context_parallel_settings(config, AttnMaskType.padding, "p2p")
+    with pytest.raises(ValueError, match="needs hierarchical_context_parallel_sizes"):
+        _te_context_parallel_settings(config, AttnMaskType.causal, "a2a+p2p")
+    config.hierarchical_context_parallel_sizes = [2, 2]
+    assert _te_context_parallel_settings(config, AttnMaskType.causal, "a2a+p2p").ulysses_degree == 2

@@ -23,9 +23,12 @@ from tests.helpers.distributed import run_distributed, run_distributed_cases
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
 TOLERANCE = 1e-10
 DROPOUT = 0.3
-#: (mask, position embedding, attention dropout probability)
-CASES = [(mask, position, 0.0) for mask in ("causal", "general") for position in ("none", "alibi", "rope")] + [
-    ("causal", "none", DROPOUT), ("causal", "alibi", DROPOUT), ("general", "rope", DROPOUT)]
+#: (mask, position embedding, attention dropout probability); "packed": causal within each sequence of a pack
+CASES = [(mask, position, 0.0) for mask in ("causal", "general", "packed") for position in ("none", "alibi", "rope")]
+CASES += [("causal", "none", DROPOUT), ("causal", "alibi", DROPOUT), ("general", "rope", DROPOUT),
+          ("packed", "rope", DROPOUT)]
+#: per context-parallel size, a pack's sequence bounds over the SEQ tokens (each a multiple of 2 x cp, one empty)
+PACKS = {2: torch.tensor([0, 4, 12, 12, 16]), 4: torch.tensor([0, 8, 8, 16])}
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -38,9 +41,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def reference_attention(q, k, v, causal, slopes, mask, dropout=None):
+def reference_attention(q, k, v, causal, slopes, mask, dropout=None, segments=None):
     """softmax(q k^T / sqrt(d) + alibi, masked) v over the whole sequence, plain float64 autograd; with
-    ``dropout`` the probabilities are multiplied by its mask over the whole sequence."""
+    ``dropout`` the probabilities are multiplied by its mask over the whole sequence; with ``segments`` (the
+    bounds of a pack's sequences) a key of another sequence is hidden."""
     seq = q.size(2)
     scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
     distance = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).to(q.dtype)
@@ -49,6 +53,9 @@ def reference_attention(q, k, v, causal, slopes, mask, dropout=None):
     hidden = distance < 0 if causal else torch.zeros(seq, seq, dtype=torch.bool)
     if mask is not None:
         hidden = hidden | mask
+    if segments is not None:
+        sequence = torch.bucketize(torch.arange(seq), segments[1:], right=True)
+        hidden = hidden | (sequence[:, None] != sequence[None, :])
     probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
     if dropout is not None:
         positions = torch.arange(seq)
@@ -68,43 +75,51 @@ def make_inputs(seed: int):
 
 def _attention_errors(rank, world_size, algorithm, ulysses_degree):
     group = dist.group.WORLD
-    positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
-    mine = positions[rank]
+    pack = PACKS[world_size]
     hybrid_groups = build_hybrid_groups(list(range(world_size)), ulysses_degree) if algorithm == "hybrid" else None
     errors = {}
     for case_index, (mask_type, position_type, dropout_p) in enumerate(CASES):
         q, k, v, grad, mask = make_inputs(seed=100 + case_index)
-        causal = mask_type == "causal"
+        causal = mask_type != "general"
         mask = None if causal else mask
+        segments = pack if mask_type == "packed" else None
+        if segments is None:
+            positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
+            rope_positions = torch.arange(SEQ)
+        else:
+            positions = [layout.packed_positions_on_rank(segments, r, world_size) for r in range(world_size)]
+            rope_positions = torch.arange(SEQ) - segments[layout.segment_ids(torch.arange(SEQ), segments)]
+        mine = positions[rank]
+
+        def share(t):
+            return t.index_select(2, mine)
+
         slopes = alibi_slopes(HEADS) if position_type == "alibi" else None
         dropout = PositionalDropout.for_heads(dropout_p, seed=7919 * case_index, heads=HEADS) if dropout_p else None
 
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         fq, fk, fv = full
         if position_type == "rope":
-            fq, fk = rope(fq, torch.arange(SEQ)), rope(fk, torch.arange(SEQ))
-        expected_out = reference_attention(fq, fk, fv, causal, slopes, mask, dropout)
+            fq, fk = rope(fq, rope_positions), rope(fk, rope_positions)
+        expected_out = reference_attention(fq, fk, fv, causal, slopes, mask, dropout, segments)
         expected_grads = torch.autograd.grad(expected_out, full, grad)
 
-        local = [layout.split_for_rank(t, 2, rank, world_size).requires_grad_() for t in (q, k, v)]
+        local = [share(t).requires_grad_() for t in (q, k, v)]
         lq, lk, lv = local
         if position_type == "rope":
-            lq, lk = rope(lq, mine), rope(lk, mine)
+            lq, lk = rope(lq, rope_positions[mine]), rope(lk, rope_positions[mine])
         local_mask = None if mask is None else mask[:, :, mine, :]
         if algorithm == "ring":
             out = ring_attention(lq, lk, lv, positions, group=group, causal=causal, slopes=slopes, mask=local_mask,
-                                 dropout=dropout)
+                                 dropout=dropout, segments=segments)
         elif algorithm == "ulysses":
-            out = ulysses_attention(lq, lk, lv, positions, group=group, core=local_core_attention(causal),
-                                    slopes=slopes, mask=local_mask, dropout=dropout)
+            out = ulysses_attention(lq, lk, lv, positions, group=group,
+                                    core=local_core_attention(causal, segments=segments), slopes=slopes,
+                                    mask=local_mask, dropout=dropout)
         else:
             out = hybrid_attention(lq, lk, lv, positions, hybrid_groups, causal=causal, slopes=slopes,
-                                   mask=local_mask, dropout=dropout)
-        grads = torch.autograd.grad(out, local, layout.split_for_rank(grad, 2, rank, world_size))
-
-        def share(t):
-            return layout.split_for_rank(t, 2, rank, world_size)
-
+                                   mask=local_mask, dropout=dropout, segments=segments)
+        grads = torch.autograd.grad(out, local, share(grad))
         errors[(mask_type, position_type, dropout_p)] = max(
             [(out - share(expected_out)).abs().max().item()]
             + [(g - share(e)).abs().max().item() for g, e in zip(grads, expected_grads)]
@@ -140,6 +155,16 @@ def test_balanced_layout_round_trip_and_positions():
         assert torch.equal(layout.positions_on_rank(24, r, 3), pieces[r][0])
     with pytest.raises(ValueError, match="2 x cp = 6"):
         layout.positions_on_rank(16, 0, 3)
+
+
+def test_packed_layout_splits_every_sequence():
+    """TE's THD layout: every sequence of the pack cut into 2 x cp chunks, rank r holding chunks r and 2cp-1-r."""
+    bounds = torch.tensor([0, 4, 12, 12, 16])
+    assert layout.packed_positions_on_rank(bounds, 0, 2).tolist() == [0, 3, 4, 5, 10, 11, 12, 15]
+    assert layout.packed_positions_on_rank(bounds, 1, 2).tolist() == [1, 2, 6, 7, 8, 9, 13, 14]
+    assert layout.segment_ids(torch.arange(16), bounds).tolist() == [0] * 4 + [1] * 8 + [3] * 4
+    with pytest.raises(ValueError, match="a packed sequence of 4 tokens .* pad it to a multiple of 6"):
+        layout.packed_positions_on_rank(bounds, 0, 3)
 
 
 def test_causal_block_plan_balances_work():

@@ -117,7 +117,7 @@ def test_alibi_pse_and_mask_give_our_block_scores(causal, symmetric):
     rule = ScoreRule(scale=0.3, causal=causal, slopes=alibi_slopes(4), symmetric_alibi=symmetric)
     mask = torch.rand(2, 1, 6, 16, generator=torch.Generator().manual_seed(4)) < 0.3
     ours = block_scores(q, k, q_pos, k_pos, rule, mask, needs_causal_mask=causal)
-    hidden = hidden_keys(q_pos, k_pos, mask, causal, batch=2, device=q.device)
+    hidden = hidden_keys(q_pos, k_pos, rule, mask, causal, batch=2, device=q.device)
     pse = alibi_pse(q_pos, k_pos, rule, q.dtype, q.device)
     assert pse.shape == (1, 4, 6, 5) and hidden.shape == (2, 1, 6, 5) and hidden.dtype == torch.bool
     theirs = (q @ k.transpose(-1, -2) + pse) * rule.scale
@@ -128,11 +128,15 @@ def test_alibi_pse_and_mask_give_our_block_scores(causal, symmetric):
 
 def test_hidden_keys_layouts():
     q_pos, k_pos = torch.arange(4), torch.arange(4)
-    assert hidden_keys(q_pos, k_pos, None, False, 2, "cpu") is None
-    causal = hidden_keys(q_pos, k_pos, None, True, 2, "cpu")
+    rule = ScoreRule(scale=1.0)
+    assert hidden_keys(q_pos, k_pos, rule, None, False, 2, "cpu") is None
+    causal = hidden_keys(q_pos, k_pos, rule, None, True, 2, "cpu")
     assert torch.equal(causal, torch.ones(4, 4, dtype=torch.bool).triu(1))  # SS
     per_head = torch.zeros(1, 3, 4, 8, dtype=torch.bool)
-    assert hidden_keys(q_pos, k_pos, per_head, True, 2, "cpu").shape == (2, 3, 4, 4)  # 1NSS -> BNSS
+    assert hidden_keys(q_pos, k_pos, rule, per_head, True, 2, "cpu").shape == (2, 3, 4, 4)  # 1NSS -> BNSS
+    packed = ScoreRule(scale=1.0, segments=torch.tensor([0, 1, 4]))  # two sequences: [0] and [1, 2, 3]
+    assert hidden_keys(q_pos, k_pos, packed, None, True, 2, "cpu").tolist() == [
+        [False, True, True, True], [True, False, True, True], [True, False, False, True], [True, False, False, False]]
 
 
 def test_alibi_pse_stays_finite_in_half_precision():

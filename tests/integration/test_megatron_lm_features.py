@@ -29,6 +29,7 @@ REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
 RMS_NORM_OP = "ascendspeed.ops.rms_norm:rms_norm"
 ROTARY_OP = "ascendspeed.ops.rotary:rotary_embedding"
 MLA_HEAD_SIZES = "ascendspeed.features.local_mla.attention:set_head_sizes"
+MAMBA_SCAN = "ascendspeed.accelerator.mamba_fallback.ssd:chunk_scan"
 #: Called by every chunked linear of --use-ascend-coc, forward and backward.
 COC_CHUNKS = "ascendspeed.features.tp_comm_overlap.chunked:chunk_bounds"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
@@ -195,8 +196,8 @@ TP_COMPARABLE = ["--global-batch-size", "4", "--tensor-model-parallel-size", "2"
                  "--attention-dropout", "0", "--hidden-dropout", "0", "--position-embedding-type", "rope", "--lr", "5e-3"]
 
 
-def _losses(launcher, processes, flags):
-    returncode, output = _launch(launcher, processes, flags)
+def _losses(launcher, processes, flags, script="pretrain_gpt.py"):
+    returncode, output = _launch(launcher, processes, flags, script=script)
     assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
     return [float(loss) for _, loss in LOSS.findall(output)]
 
@@ -305,6 +306,25 @@ def test_hybrid_attention_and_mlp_layers(launcher):
     # per MLP layer
     assert {n for (_, target), n in calls.items() if target == RMS_NORM_OP} == {(4 + 1) * 2 * ITERATIONS}
     assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
+
+
+#: Mamba-2 mixers sized for the tiny model: d_inner 128 = 8 heads of 16, 2 groups (one per TP-2 rank)
+MAMBA = ["--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
+
+
+def test_hybrid_mamba_layers_with_tensor_and_sequence_parallelism(launcher):
+    """Megatron-LM's hybrid model with Mamba (M) layers where mamba_ssm and causal_conv1d are absent
+    (accelerator.mamba_fallback: Mamba-2's scan and convolution in torch) trains at TP 2 (losses falling, the scan
+    run by every rank, next to ascendspeed's fused SwiGLU MLP layer), and with sequence parallelism added it
+    gives the same losses."""
+    script, spec = _hybrid_job()
+    flags = [*TP_COMPARABLE, *spec, "M*M-", "--num-layers", "4", "--normalization", "RMSNorm", *MAMBA,
+             "--swiglu", "--use-fused-swiglu"]
+    losses, calls = _train(launcher, 2, flags, "fused_swiglu", [MAMBA_SCAN, SWIGLU_OP], script)
+    # per micro-batch forward: one scan per Mamba layer (2 layers, 2 micro-batches)
+    assert {n for (_, target), n in calls.items() if target == MAMBA_SCAN} == {2 * 2 * ITERATIONS}
+    sequence_parallel = _losses(launcher, 2, [*flags, "--sequence-parallel"], script)
+    assert sequence_parallel == pytest.approx(losses, rel=1e-5)
 
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
@@ -427,7 +447,7 @@ def megatron_lm_arguments():
      "Megatron without Transformer Engine cannot run with --fp8-format hybrid"),
     (["--transformer-impl", "transformer_engine", "--tp-comm-overlap"],
      "Megatron without Transformer Engine cannot run with --tp-comm-overlap True"),
-    (["--hybrid-override-pattern", "M*-"], "has Mamba layers (M), whose megatron-core module needs mamba_ssm"),
+    (["--hybrid-override-pattern", "G*-"], "has gated delta net layers (G), whose megatron-core module needs fla"),
     (["--hybrid-override-pattern", "*E"],
      "has MoE layers (E), which megatron-core's hybrid specs build as grouped experts: grouped experts"),
     (["--multi-latent-attention", "--position-embedding-type", "alibi"],

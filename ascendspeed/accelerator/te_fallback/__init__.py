@@ -20,7 +20,8 @@ and fused RMSNorm apply), ``TELinear`` -> a column-/row-parallel or duplicated l
 get the stand-ins too.
 
 ``rope.py`` serves megatron-core's RoPE fusion (``apply_rope_fusion``) with ascendspeed's rotary operator where
-megatron-core would take TE's fused kernels. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput``
+megatron-core would take TE's fused kernels. ``thd.py`` splits a packed batch over the context-parallel ranks
+where megatron-core asks TE's extension. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput``
 (selective recompute of norms, MoE activations, MLA up projections) off Transformer Engine's fp8 state, which it
 asked for even with fp8 off.
 
@@ -60,9 +61,9 @@ def serves_local_modules(args) -> bool:
 
 
 def patches():
-    from ascendspeed.accelerator.te_fallback import recompute, rope, standins
+    from ascendspeed.accelerator.te_fallback import recompute, rope, standins, thd
 
-    return standins.patches() + recompute.patches() + rope.patches()
+    return standins.patches() + recompute.patches() + rope.patches() + thd.patches()
 
 
 def check_arguments(args) -> None:

@@ -218,24 +218,33 @@ def _context_parallel_feature_applied() -> bool:
     return any(feature.name == "context_parallel" for feature in applied_features())
 
 
-#: TE's context-parallel communication types the stand-in serves, and ascendspeed's algorithm for each.
-CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo"}
+#: TE's context-parallel communication types the stand-in serves, and ascendspeed's algorithm for each
+#: (``a2a+p2p``: Ulysses inside groups of ``hierarchical_context_parallel_sizes[0]`` ranks, ring across them).
+CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p": "hybrid_cp_algo"}
 
 
-def _te_context_parallel_settings(attn_mask_type, cp_comm_type):
+def _te_context_parallel_settings(config, attn_mask_type, cp_comm_type):
     """TE's own context parallelism, for a model built from a config alone (the ``context_parallel`` feature,
-    switched on by flags, serves it otherwise): ascendspeed's ring (TE's ``p2p``) or Ulysses (``a2a``)
-    attention over the context-parallel group, causal layers only, as TE's ``TEDotProductAttention`` is
-    used in megatron-core's GPT specs."""
+    switched on by flags, serves it otherwise): ascendspeed's ring (TE's ``p2p``, its default), Ulysses
+    (``a2a``) or hybrid (``a2a+p2p``) attention over the context-parallel group, causal layers only, as TE's
+    ``TEDotProductAttention`` is used in megatron-core's GPT specs."""
     from ascendspeed.features.context_parallel.settings import ContextParallelSettings
 
+    cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type  # TEDotProductAttention's default
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"{_WHERE}: context parallelism with cp_comm_type {cp_comm_type!r} has no local equivalent; "
                          f"use one of {', '.join(CP_COMM_TYPES)}")
     if "causal" not in attn_mask_type.name:
         raise ValueError(f"{_WHERE}: context parallelism in TEDotProductAttention serves causal attention, and this "
                          f"layer's mask type is {attn_mask_type.name}")
-    return ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type])
+    ulysses_degree = 1
+    if cp_comm_type == "a2a+p2p":
+        sizes = config.hierarchical_context_parallel_sizes
+        if not sizes or len(sizes) != 2 or sizes[0] * sizes[1] != config.context_parallel_size:
+            raise ValueError(f"{_WHERE}: cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes [a2a, p2p] "
+                             f"whose product is context_parallel_size {config.context_parallel_size}, got {sizes}")
+        ulysses_degree = sizes[0]
+    return ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type], ulysses_degree=ulysses_degree)
 
 
 class LocalTEDotProductAttention(DotProductAttention):
@@ -251,7 +260,8 @@ class LocalTEDotProductAttention(DotProductAttention):
         from ascendspeed.features.context_parallel import megatron_attention
 
         serves_context_parallel = config.context_parallel_size > 1 and not _context_parallel_feature_applied()
-        settings = _te_context_parallel_settings(attn_mask_type, cp_comm_type) if serves_context_parallel else None
+        settings = (_te_context_parallel_settings(config, attn_mask_type, cp_comm_type) if serves_context_parallel
+                    else None)
         built = megatron_attention.unsharded(config) if serves_context_parallel else config
         super().__init__(
             built, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
@@ -269,10 +279,9 @@ class LocalTEDotProductAttention(DotProductAttention):
             raise ValueError(f"{_WHERE}: num_splits (flash-decoding) has no local equivalent")
         context_parallel = self.__dict__.get("te_context_parallel")
         if context_parallel is not None:
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError(f"{_WHERE}: its context-parallel attention supports neither packed sequences nor "
-                                 "an attention_bias")
-            return context_parallel(self, query, key, value, attention_mask)
+            if attention_bias is not None:
+                raise ValueError(f"{_WHERE}: its context-parallel attention does not take an attention_bias")
+            return context_parallel(self, query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None and query.dim() == 3 and attention_bias is None:
             # TE's THD packs, which megatron-core's local attention refuses: on the fused kernel, with the
             # pack's block-diagonal mask (ascendspeed.ops.core_attention).

@@ -27,22 +27,14 @@ def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_o
 def thd_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """The position in its sequence of every token a context-parallel rank holds of a packed (``thd``) batch.
 
-    ``cu_seqlens`` bounds the whole sequences; with ``cp_size`` ranks each sequence is cut in ``2 * cp_size``
-    equal chunks and rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r`` (megatron-core's load-balanced
-    layout), in that order, sequence after sequence.
+    ``cu_seqlens`` bounds the whole sequences, split over ``cp_size`` ranks by the load-balanced layout of a
+    pack (``context_parallel.layout.packed_positions_on_rank``).
     """
     from ascendspeed.features.context_parallel import layout
 
-    positions = []
-    for length in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist():
-        if cp_size == 1:
-            positions.append(torch.arange(length))
-            continue
-        if length % (2 * cp_size):
-            raise ValueError(f"a packed sequence of {length} tokens cannot be split into {2 * cp_size} equal chunks "
-                             f"for context parallelism over {cp_size} ranks: pad it to a multiple of {2 * cp_size}")
-        positions.append(layout.positions_on_rank(length, cp_rank, cp_size))
-    return torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    cu_seqlens = cu_seqlens.to("cpu", torch.int64)
+    in_pack = layout.packed_positions_on_rank(cu_seqlens, cp_rank, cp_size)
+    return in_pack - cu_seqlens[layout.segment_ids(in_pack, cu_seqlens)]
 
 
 def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,

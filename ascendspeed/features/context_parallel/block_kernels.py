@@ -33,6 +33,7 @@ from ascendspeed.features.context_parallel.blockwise import (
     block_backward,
     block_forward,
     finite_lse,
+    positional_hidden,
 )
 
 #: torch_npu repeats each row's softmax max and sum this many times in the last dimension.
@@ -69,11 +70,12 @@ def alibi_pse(q_pos, k_pos, rule: ScoreRule, dtype: torch.dtype, device) -> Opti
     return bias.clamp(min=limits.min, max=limits.max)[None].to(dtype)
 
 
-def hidden_keys(q_pos, k_pos, mask: Optional[torch.Tensor], needs_causal_mask: bool, batch: int, device):
+def hidden_keys(q_pos, k_pos, rule: ScoreRule, mask: Optional[torch.Tensor], needs_causal_mask: bool, batch: int,
+                device):
     """torch_npu's ``atten_mask`` of a block (True = hidden): [queries, keys] (SS) or [batch or 1, heads or 1,
     queries, keys] (BNSS, B1SS, 11SS), or None when every key is visible. ``mask`` columns are absolute key
     positions."""
-    hidden = (k_pos[None, :] > q_pos[:, None]).to(device) if needs_causal_mask else None
+    hidden = positional_hidden(q_pos, k_pos, rule, needs_causal_mask, device)
     if mask is not None:
         by_key = mask.index_select(-1, k_pos.to(mask.device))
         if by_key.size(0) == 1 and by_key.size(1) > 1:
@@ -86,7 +88,7 @@ def pse_and_mask(q, q_pos, k_pos, rule: ScoreRule, mask, needs_causal_mask: bool
     """The ``pse`` and ``atten_mask`` of a block for queries ``q``. Hidden entries get pse 0: ALiBi is
     positive for keys after the query, and a mask applied by adding a finite number (as torch_npu's
     documented formula does) must not be outweighed."""
-    hidden = hidden_keys(q_pos, k_pos, mask, needs_causal_mask, q.size(0), q.device)
+    hidden = hidden_keys(q_pos, k_pos, rule, mask, needs_causal_mask, q.size(0), q.device)
     pse = alibi_pse(q_pos, k_pos, rule, q.dtype, q.device)
     if pse is not None and hidden is not None:
         pse = torch.where(hidden, torch.zeros((), dtype=pse.dtype, device=pse.device), pse).contiguous()

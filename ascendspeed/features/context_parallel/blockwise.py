@@ -9,6 +9,7 @@ block only needs the final output and log-sum-exp of its rows (the flash-attenti
 Scores and accumulators are fp32 (float64 for float64 inputs). What can hide a key from a query:
 
 * ``causal``: the key's position is after the query's;
+* ``segments``: the key lies in another sequence of a pack than the query (``layout.segment_ids``);
 * ``mask``: a boolean tensor ``[b or 1, heads or 1, block queries, S]``, True where hidden, whose last
   dimension is indexed by the keys' absolute positions (Megatron's ``attention_mask`` rows);
 
@@ -33,7 +34,8 @@ class ScoreRule:
 
     ``symmetric_alibi``: the ALiBi distance is ``|q_pos - k_pos|`` (None: when not ``causal``), as
     Megatron's local path does for a layer whose mask type is not causal. ``dropout``: the attention
-    dropout of the heads at hand (None: none).
+    dropout of the heads at hand (None: none). ``segments``: the bounds (int64, ascending, from 0) of the
+    sequences of a pack, in positions (None: one sequence).
     """
 
     scale: float
@@ -41,6 +43,7 @@ class ScoreRule:
     slopes: Optional[torch.Tensor] = None
     symmetric_alibi: Optional[bool] = None
     dropout: Optional[PositionalDropout] = None
+    segments: Optional[torch.Tensor] = None
 
     @property
     def alibi_distance_is_absolute(self) -> bool:
@@ -56,17 +59,26 @@ def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def positional_hidden(q_pos, k_pos, rule: ScoreRule, needs_causal_mask: bool, device) -> Optional[torch.Tensor]:
+    """[queries, keys], True where the causal mask or a sequence bound of a pack hides the key; None: neither."""
+    hidden = (k_pos[None, :] > q_pos[:, None]) if needs_causal_mask else None
+    if rule.segments is not None:
+        from ascendspeed.features.context_parallel.layout import segment_ids
+
+        apart = segment_ids(q_pos, rule.segments)[:, None] != segment_ids(k_pos, rule.segments)[None, :]
+        hidden = apart if hidden is None else hidden | apart
+    return None if hidden is None else hidden.to(device)
+
+
 def block_scores(q, k, q_pos, k_pos, rule: ScoreRule, mask: Optional[torch.Tensor], needs_causal_mask: bool):
     """Scaled, biased, masked scores [b, h, sq, sk] in the accumulator dtype; hidden entries are -inf."""
     acc = accumulator_dtype(q.dtype)
     scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)).mul_(rule.scale)
-    distance = None
-    if rule.slopes is not None or needs_causal_mask:
-        distance = (q_pos[:, None] - k_pos[None, :]).to(q.device)
     if rule.slopes is not None:
+        distance = (q_pos[:, None] - k_pos[None, :]).to(q.device)
         gap = distance.abs().to(acc) if rule.alibi_distance_is_absolute else distance.to(acc)
         scores.sub_(rule.slopes.to(device=q.device, dtype=acc)[:, None, None] * gap)
-    hidden = distance < 0 if needs_causal_mask else None
+    hidden = positional_hidden(q_pos, k_pos, rule, needs_causal_mask, q.device)
     if mask is not None:
         by_key = mask.index_select(-1, k_pos.to(mask.device))
         hidden = by_key if hidden is None else hidden | by_key

@@ -68,8 +68,10 @@ def hybrid_attention(
     mask: Optional[torch.Tensor] = None,
     dropout: Optional[PositionalDropout] = None,
     telemetry: Optional[RingTelemetry] = None,
+    segments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention of this rank's [b, heads, local sequence, d] tensors; ``positions[c]`` for every cp rank ``c``."""
+    """Attention of this rank's [b, heads, local sequence, d] tensors; ``positions[c]`` for every cp rank ``c``,
+    ``segments`` the bounds of a pack's sequences (``ring_attention``)."""
     by_global_rank = dict(zip(groups.cp_ranks, positions))
     ulysses_positions = [by_global_rank[r] for r in dist.get_process_group_ranks(groups.ulysses)]
     ring_positions = []
@@ -81,7 +83,7 @@ def hybrid_attention(
     def ring_core(q, k, v, gathered_positions, head_slopes, mask_rows, head_dropout):
         return ring_attention(q, k, v, ring_positions, group=groups.ring, causal=causal, scale=scale,
                               slopes=head_slopes, symmetric_alibi=symmetric_alibi, mask=mask_rows,
-                              dropout=head_dropout, telemetry=telemetry)
+                              dropout=head_dropout, telemetry=telemetry, segments=segments)
 
     return ulysses_attention(q, k, v, ulysses_positions, group=groups.ulysses, core=ring_core, slopes=slopes,
                              mask=mask, dropout=dropout)

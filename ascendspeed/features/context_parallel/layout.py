@@ -4,6 +4,11 @@ The sequence of length ``S`` is cut into ``2 * cp`` equal chunks and rank ``r`` 
 ``2 * cp - 1 - r``, in that order. Under a causal mask the early chunks attend to few keys and the late
 ones to many, so pairing an early chunk with a late one gives every rank the same amount of work.
 
+A pack of sequences (Transformer Engine's ``thd`` format: sequences one after another, bounded by
+``cu_seqlens``) is split sequence by sequence: every sequence is cut into ``2 * cp`` chunks and rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r`` of each, sequence after sequence. Positions in a pack count
+through the whole pack, so a key is visible to a query of its own sequence only (``segment_ids``).
+
 Positions are kept as int64 CPU tensors: they are small, and the ring plans its blocks from them on
 the host without synchronising a device.
 """
@@ -44,6 +49,28 @@ def split_for_rank(tensor: torch.Tensor, dim: int, rank: int, cp_size: int) -> t
     chunks = tensor.chunk(2 * cp_size, dim=dim)
     first, second = chunk_ids(rank, cp_size)
     return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def packed_positions_on_rank(bounds: torch.Tensor, rank: int, cp_size: int) -> torch.Tensor:
+    """Positions in the pack (ascending) of the tokens rank ``rank`` holds of the sequences bounded by ``bounds``."""
+    bounds = bounds.to("cpu", torch.int64)
+    pieces = []
+    for start, length in zip(bounds[:-1].tolist(), bounds.diff().tolist()):
+        if cp_size == 1:
+            pieces.append(torch.arange(start, start + length))
+            continue
+        if length % (2 * cp_size):
+            raise ValueError(
+                f"a packed sequence of {length} tokens cannot be split into {2 * cp_size} equal chunks for context "
+                f"parallelism over {cp_size} ranks: pad it to a multiple of {2 * cp_size} (cu_seqlens_padded)"
+            )
+        pieces.append(start + positions_on_rank(length, rank, cp_size))
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+
+def segment_ids(positions: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The index of the sequence (of those bounded by ``bounds``) each position of a pack lies in."""
+    return torch.searchsorted(bounds[1:].to(positions.device), positions, right=True)
 
 
 def merge_from_ranks(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:

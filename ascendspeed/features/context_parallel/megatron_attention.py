@@ -99,18 +99,39 @@ class ContextParallelAttention:
             seed = int(torch.randint(0, SEED_BOUND, (1,), device=device).item())
         return PositionalDropout.for_heads(p, seed, heads)
 
-    def __call__(self, layer, query, key, value, attention_mask):
-        """Megatron's [s, b, heads, d] q/k/v in, [s, b, heads * d] out."""
+    def __call__(self, layer, query, key, value, attention_mask, packed_seq_params=None):
+        """Megatron's [s, b, heads, d] q/k/v in, [s, b, heads * d] out; or a THD pack (``packed_seq_params``),
+        [t, heads, d] in, [t, heads * d] out, as Transformer Engine takes and returns it."""
+        if packed_seq_params is None:
+            seq_length = query.size(0) * self.size
+            positions = _balanced_positions(seq_length, self.size)
+            return self._attend(layer, query, key, value, positions, self.mask_rows(attention_mask, positions,
+                                                                                    seq_length))
+        if not self.causal:
+            raise ValueError("context-parallel attention over packed sequences masks causally within each sequence: "
+                             "use --cp-attention-mask-type causal")
+        if query.dim() != 3:
+            raise ValueError(f"context-parallel attention takes a pack in THD layout, [tokens, heads, head dim]; got "
+                             f"query {tuple(query.shape)} (packed_seq_params.qkv_format 'thd')")
+        pack = PackOnRanks.of(packed_seq_params, self.size)
+        if pack.positions[self.rank].numel() != query.size(0):
+            raise ValueError(
+                f"this context-parallel rank holds {query.size(0)} tokens of the pack, but its sequences "
+                f"{pack.slots.tolist()} split over {self.size} ranks give it {pack.positions[self.rank].numel()}: "
+                "split the pack by sequence (megatron-core's get_batch_on_this_cp_rank for THD)")
+        unbatched = (t.unsqueeze(1) for t in (query, key, value))
+        out = self._attend(layer, *unbatched, pack.positions, None, segments=pack.slots).squeeze(1)
+        tokens = pack.tokens_on_rank(self.rank)
+        return out if tokens is None else out * tokens.to(out.device, out.dtype)[:, None]
+
+    def _attend(self, layer, query, key, value, positions, mask, segments=None):
         local_length, batch, heads, _ = query.shape
         dropout = self.dropout(layer, heads, query.device)
         query, key, value, value_dim = _common_head_dim(query, key, value)
-        seq_length = local_length * self.size
         groups = heads // key.size(2)
         if groups > 1:
             key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        positions = _balanced_positions(seq_length, self.size)
-        mask = self.mask_rows(attention_mask, positions, seq_length)
         scale = layer.softmax_scale * (layer.scale_mask_softmax.scale or 1.0)
         alibi = layer.__dict__.get("alibi")
         slopes = alibi.slopes_on(q.device) if alibi is not None else None
@@ -119,15 +140,61 @@ class ContextParallelAttention:
         if algorithm == RING:
             out = ring_attention(q, k, v, positions, group=self.group, causal=self.causal, scale=scale,
                                  slopes=slopes, symmetric_alibi=symmetric, mask=mask, dropout=dropout,
-                                 telemetry=self.telemetry)
+                                 telemetry=self.telemetry, segments=segments)
         elif algorithm == ULYSSES:
-            core = local_core_attention(self.causal, scale, symmetric)
+            core = local_core_attention(self.causal, scale, symmetric, segments)
             out = ulysses_attention(q, k, v, positions, group=self.group, core=core, slopes=slopes, mask=mask,
                                     dropout=dropout)
         else:
             out = hybrid_attention(q, k, v, positions, self.hybrid, causal=self.causal, scale=scale, slopes=slopes,
-                                   symmetric_alibi=symmetric, mask=mask, dropout=dropout, telemetry=self.telemetry)
+                                   symmetric_alibi=symmetric, mask=mask, dropout=dropout, telemetry=self.telemetry,
+                                   segments=segments)
         return out[..., :value_dim].permute(2, 0, 1, 3).reshape(local_length, batch, heads * value_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackOnRanks:
+    """A THD pack over the context-parallel ranks: the slots of its sequences (``cu_seqlens_q_padded``, or
+    ``cu_seqlens_q`` without padding), each rank's positions in the pack (``layout.packed_positions_on_rank``)
+    and, with padding, the tokens' sequence lengths (``cu_seqlens_q``): a slot's tail is padding, whose output
+    is zero (as Transformer Engine leaves it)."""
+
+    slots: torch.Tensor
+    lengths: Optional[torch.Tensor]
+    positions: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def of(cls, packed_seq_params, cp_size: int) -> "PackOnRanks":
+        def bounds(name):
+            value = getattr(packed_seq_params, name, None)
+            return None if value is None else value.to("cpu", torch.int64)
+
+        sequences, slots = bounds("cu_seqlens_q"), bounds("cu_seqlens_q_padded")
+        for query_side in ("cu_seqlens_q", "cu_seqlens_q_padded"):
+            key_side = query_side.replace("_q", "_kv")
+            queries, keys = bounds(query_side), bounds(key_side)
+            if keys is not None and (queries is None or not torch.equal(keys, queries)):
+                raise ValueError(f"context-parallel attention over a pack needs {key_side} equal to {query_side}")
+        if sequences is None:
+            raise ValueError("context-parallel attention over a pack needs packed_seq_params.cu_seqlens_q")
+        lengths = None
+        if slots is None or torch.equal(slots, sequences):
+            slots = sequences
+        else:
+            lengths = sequences.diff()
+            if slots.shape != sequences.shape or bool((slots.diff() < lengths).any()):
+                raise ValueError(f"a pack's padded bounds {slots.tolist()} must hold its sequences "
+                                 f"{sequences.tolist()}")
+        positions = tuple(layout.packed_positions_on_rank(slots, rank, cp_size) for rank in range(cp_size))
+        return cls(slots, lengths, positions)
+
+    def tokens_on_rank(self, rank: int) -> Optional[torch.Tensor]:
+        """Which of the rank's positions are tokens, not padding (None: all are)."""
+        if self.lengths is None:
+            return None
+        positions = self.positions[rank]
+        sequence = layout.segment_ids(positions, self.slots)
+        return positions - self.slots[sequence] < self.lengths[sequence]
 
 
 def _common_head_dim(query, key, value):
@@ -206,9 +273,9 @@ def wrap_attention_forward(original):
         if context_parallel is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                             packed_seq_params)
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("context-parallel attention supports neither packed sequences nor an attention_bias")
-        return context_parallel(self, query, key, value, attention_mask)
+        if attention_bias is not None:
+            raise ValueError("context-parallel attention does not take an attention_bias")
+        return context_parallel(self, query, key, value, attention_mask, packed_seq_params)
 
     return forward
 

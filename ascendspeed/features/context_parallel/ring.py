@@ -222,6 +222,7 @@ def ring_attention(
     dropout: Optional[PositionalDropout] = None,
     telemetry: Optional[RingTelemetry] = None,
     kernels=None,
+    segments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries over the keys of every rank of ``group``.
 
@@ -230,7 +231,9 @@ def ring_attention(
     ``slopes``: ALiBi slopes of the heads (None: no ALiBi); ``symmetric_alibi``: distance ``|q - k|``
     (default: when not ``causal``). ``mask``: bool [b or 1, heads or 1, local
     sequence, S], True where a query must not see a key, columns indexed by absolute key position.
-    ``dropout``: attention dropout of these heads by position (None: none).
+    ``dropout``: attention dropout of these heads by position (None: none). ``segments``: the bounds of the
+    sequences of a pack (int64, ascending, from 0; TE's ``cu_seqlens``), whose tokens see their own
+    sequence only, ``positions`` counting through the whole pack (None: one sequence).
     ``group`` None: a single process (no communication), the reference path. ``kernels``: what computes
     each block (``block_kernels``; None: torch_npu's fused attention for NPU tensors, the blockwise torch
     code otherwise).
@@ -249,8 +252,13 @@ def ring_attention(
         raise ValueError("causal ring attention needs each member's positions in ascending order")
     if dropout is not None and dropout.heads.numel() != q.size(1):
         raise ValueError(f"dropout covers {dropout.heads.numel()} heads but q has {q.size(1)}")
+    if segments is not None:
+        segments = segments.to("cpu", torch.int64)
+        if segments.dim() != 1 or segments.numel() < 2 or int(segments[0]) != 0 or bool((segments.diff() < 0).any()):
+            raise ValueError(f"segments must be the ascending bounds of a pack's sequences from 0, "
+                             f"got {segments.tolist()}")
     rule = ScoreRule(scale=q.size(-1) ** -0.5 if scale is None else scale, causal=causal, slopes=slopes,
-                     symmetric_alibi=symmetric_alibi, dropout=dropout)
+                     symmetric_alibi=symmetric_alibi, dropout=dropout, segments=segments)
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool (True = hidden), got {mask.dtype}")
     kernels = kernels_for(q, with_dropout=dropout is not None) if kernels is None else kernels

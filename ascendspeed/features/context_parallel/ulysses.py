@@ -79,13 +79,13 @@ def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
 CoreAttention = Callable[..., torch.Tensor]
 
 
-def local_core_attention(causal: bool = True, scale: Optional[float] = None,
-                         symmetric_alibi: Optional[bool] = None) -> CoreAttention:
+def local_core_attention(causal: bool = True, scale: Optional[float] = None, symmetric_alibi: Optional[bool] = None,
+                         segments: Optional[torch.Tensor] = None) -> CoreAttention:
     """Exact attention over the tokens at hand (the reference path of ``ring_attention``, no communication)."""
 
     def core(q, k, v, positions, slopes, mask, dropout=None):
         return ring_attention(q, k, v, [positions], causal=causal, scale=scale, slopes=slopes,
-                              symmetric_alibi=symmetric_alibi, mask=mask, dropout=dropout)
+                              symmetric_alibi=symmetric_alibi, mask=mask, dropout=dropout, segments=segments)
 
     return core
 

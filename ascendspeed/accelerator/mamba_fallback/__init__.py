@@ -1,0 +1,39 @@
+"""megatron-core's Mamba layers without ``mamba_ssm`` and ``causal_conv1d`` (feature ``accelerator.mamba_fallback``).
+
+``megatron.core.ssm.mamba_mixer`` imports its kernels from ``mamba_ssm`` (triton) and ``causal_conv1d`` (CUDA).
+Where they do not import, the names are None or absent, ``RMSNormGated`` is a ``MagicMock`` (so
+``ExtendedRMSNorm``, a class derived from it, is a mock too) and ``MambaMixer.__init__`` raises "MambaSSM is not
+installed". The fallback puts torch implementations with the same contracts there (``ssd.py``: the causal
+convolution, Mamba-2's chunked scan, the gated RMSNorm), so Mamba layers (``M`` in a hybrid layer pattern)
+build and train on every device, context parallelism and packed sequences (``seq_idx``) included.
+Inference's single-token decode (``selective_state_update``, megatron-core's own triton kernels) is not served.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+FEATURE = "accelerator.mamba_fallback"
+
+
+@functools.lru_cache(maxsize=None)
+def mamba_ssm_importable() -> bool:
+    """Whether megatron-core's ``from mamba_ssm.ops.triton.ssd_combined import ...`` can work."""
+    if importlib.util.find_spec("mamba_ssm") is None:
+        return False
+    try:
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except Exception:  # noqa: BLE001 - triton raises more than ImportError without a GPU
+        return False
+    return True
+
+
+def needed() -> bool:
+    """The fallback is installed where ``mamba_ssm`` does not import."""
+    return not mamba_ssm_importable()
+
+
+def patches():
+    from ascendspeed.accelerator.mamba_fallback import modules
+
+    return modules.patches()
