@@ -84,6 +84,7 @@ def every_patch() -> list[dict]:
         (accelerator.NPU_FEATURE, triton_guard.guard_patches()),
         (accelerator.TE_FALLBACK_FEATURE, accelerator.te_fallback_patches()),
         (accelerator.MAMBA_FALLBACK_FEATURE, accelerator.mamba_fallback_patches()),
+        (accelerator.GDN_FALLBACK_FEATURE, accelerator.gdn_fallback_patches()),
         (accelerator.TORCH_ADAM_FEATURE, accelerator.torch_adam_patches()),
         (accelerator.MODEL_SPACE_CHECKPOINTS_FEATURE, accelerator.model_space_checkpoints_patches()),
         (megatron_lm.FEATURE_NAME, megatron_lm.patches()),

@@ -54,6 +54,7 @@ REASONS = (
     ("CUDA graphs", r"cuda.?graph|CudaGraph|graph capture"),
     ("needs apex", r"\bapex\b"),
     ("needs flash-attn", r"flash.?attn|flash attention"),
+    ("needs fla (triton kernels)", r"FLA is not installed|flash-linear-attention|\bfla\b"),
     ("needs Mamba / causal-conv1d kernels", r"mamba_ssm|causal_conv1d|mamba"),
     ("needs triton (CUDA kernels)", r"triton"),
     ("needs NCCL-only features", r"nccl|NCCL|symmetric memory|nvshmem|DeepEP|HybridEP"),

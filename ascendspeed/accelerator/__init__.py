@@ -12,7 +12,8 @@
 
 On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
 classes with megatron-core's local modules (``te_fallback``); where ``mamba_ssm`` does not import, feature
-``accelerator.mamba_fallback`` serves megatron-core's Mamba layers with torch kernels (``mamba_fallback``).
+``accelerator.mamba_fallback`` serves megatron-core's Mamba layers with torch kernels (``mamba_fallback``), and
+where ``fla`` does not, ``accelerator.gdn_fallback`` its gated delta net layers (``gdn_fallback``).
 
 On every device, feature ``accelerator.torch_adam`` lets distributed-optimizer checkpoints resume where
 megatron-core runs ``torch.optim.Adam`` because neither apex nor Transformer Engine is installed (every CPU,
@@ -43,10 +44,11 @@ GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
 NPU_FEATURE = "accelerator.npu"
 TE_FALLBACK_FEATURE = "accelerator.te_fallback"
 MAMBA_FALLBACK_FEATURE = "accelerator.mamba_fallback"
+GDN_FALLBACK_FEATURE = "accelerator.gdn_fallback"
 TORCH_ADAM_FEATURE = "accelerator.torch_adam"
 MODEL_SPACE_CHECKPOINTS_FEATURE = "accelerator.model_space_checkpoints"
 FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, MAMBA_FALLBACK_FEATURE,
-            TORCH_ADAM_FEATURE, MODEL_SPACE_CHECKPOINTS_FEATURE)
+            GDN_FALLBACK_FEATURE, TORCH_ADAM_FEATURE, MODEL_SPACE_CHECKPOINTS_FEATURE)
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,14 @@ def mamba_fallback_patches():
     return mamba_fallback.patches()
 
 
+def gdn_fallback_patches():
+    """Feature ``accelerator.gdn_fallback``: torch kernels for megatron-core's gated delta net layers, installed on
+    any device where ``fla`` does not import (``gdn_fallback``)."""
+    from ascendspeed.accelerator import gdn_fallback
+
+    return gdn_fallback.patches()
+
+
 def torch_adam_patches():
     """The patches of feature ``accelerator.torch_adam`` (every device: they act only without apex and TE)."""
     from ascendspeed.accelerator import torch_adam_checkpoints
@@ -193,6 +203,10 @@ def install(manager: PatchManager = MANAGER) -> str:
 
     if mamba_fallback.needed():
         manager.apply(MAMBA_FALLBACK_FEATURE, mamba_fallback_patches())
+    from ascendspeed.accelerator import gdn_fallback
+
+    if gdn_fallback.needed():
+        manager.apply(GDN_FALLBACK_FEATURE, gdn_fallback_patches())
     manager.apply(TORCH_ADAM_FEATURE, torch_adam_patches())
     manager.apply(MODEL_SPACE_CHECKPOINTS_FEATURE, model_space_checkpoints_patches())
     if _installed != device:
@@ -232,6 +246,7 @@ __all__ = [
     "DEVICES",
     "DeviceSelectionError",
     "FEATURES",
+    "GDN_FALLBACK_FEATURE",
     "GLOO_P2P_FEATURE",
     "MAMBA_FALLBACK_FEATURE",
     "MODEL_SPACE_CHECKPOINTS_FEATURE",

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from ascendspeed.patching.patch import installed_version
+from ascendspeed.patching.versions import release
 from tests.helpers.megatron_lm import MEGATRON_LM_PATH, add_megatron_lm_to_path
 from tests.helpers.megatron_lm_jobs import run_job
 
@@ -30,6 +32,7 @@ RMS_NORM_OP = "ascendspeed.ops.rms_norm:rms_norm"
 ROTARY_OP = "ascendspeed.ops.rotary:rotary_embedding"
 MLA_HEAD_SIZES = "ascendspeed.features.local_mla.attention:set_head_sizes"
 MAMBA_SCAN = "ascendspeed.accelerator.mamba_fallback.ssd:chunk_scan"
+GDN_RULE = "ascendspeed.accelerator.gdn_fallback.kernels:_megatron_torch_rule"
 #: Called by every chunked linear of --use-ascend-coc, forward and backward.
 COC_CHUNKS = "ascendspeed.features.tp_comm_overlap.chunked:chunk_bounds"
 #: The context-parallel attention of each algorithm, as the attention layers call it (once per layer and
@@ -308,15 +311,23 @@ def test_hybrid_attention_and_mlp_layers(launcher):
     assert {n for (_, target), n in calls.items() if target == SWIGLU_OP} == {2 * 2 * ITERATIONS}
 
 
-#: Mamba-2 mixers sized for the tiny model: d_inner 128 = 8 heads of 16, 2 groups (one per TP-2 rank)
+#: Mamba-2 mixers sized for the tiny model: d_inner 128 = 8 heads of 16, 2 groups (one per TP-2 rank); gated delta
+#: net layers with 2 key heads and 4 value heads of 16 (one and two per TP-2 rank)
 MAMBA = ["--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2"]
+GATED_DELTA_NET = ["--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+                   "--linear-value-head-dim", "16"]
+
+
+def _serves_gated_delta_net() -> bool:
+    """accelerator.gdn_fallback serves fla's kernels from megatron-core 0.18 (before, G layers are refused)."""
+    return release(installed_version()) >= release("0.18.0")
 
 
 def test_hybrid_mamba_layers_with_tensor_and_sequence_parallelism(launcher):
     """Megatron-LM's hybrid model with Mamba (M) layers where mamba_ssm and causal_conv1d are absent
     (accelerator.mamba_fallback: Mamba-2's scan and convolution in torch) trains at TP 2 (losses falling, the scan
-    run by every rank, next to ascendspeed's fused SwiGLU MLP layer), and with sequence parallelism added it
-    gives the same losses."""
+    run by every rank, next to ascendspeed's fused SwiGLU MLP layer), and with sequence parallelism added it gives
+    the same losses."""
     script, spec = _hybrid_job()
     flags = [*TP_COMPARABLE, *spec, "M*M-", "--num-layers", "4", "--normalization", "RMSNorm", *MAMBA,
              "--swiglu", "--use-fused-swiglu"]
@@ -325,6 +336,35 @@ def test_hybrid_mamba_layers_with_tensor_and_sequence_parallelism(launcher):
     assert {n for (_, target), n in calls.items() if target == MAMBA_SCAN} == {2 * 2 * ITERATIONS}
     sequence_parallel = _losses(launcher, 2, [*flags, "--sequence-parallel"], script)
     assert sequence_parallel == pytest.approx(losses, rel=1e-5)
+
+
+def test_hybrid_gated_delta_net_layers_train_as_megatrons_own_torch_path(launcher):
+    """Megatron-LM's hybrid model with gated delta net (G) layers where fla is absent (accelerator.gdn_fallback)
+    trains at TP 2 (losses falling, the rule run by every rank), with the losses of megatron-core's own torch
+    path (--deterministic-mode: torch's conv1d and its torch chunked rule, without fla's kernels)."""
+    if not _serves_gated_delta_net():
+        pytest.skip("served from megatron-core 0.18 (before, G layers are refused)")
+    script, spec = _hybrid_job()
+    flags = [*TP_COMPARABLE, *spec, "G*G-", "--num-layers", "4", "--normalization", "RMSNorm", *GATED_DELTA_NET,
+             "--swiglu", "--use-fused-swiglu"]
+    losses, calls = _train(launcher, 2, flags, "fused_swiglu", [GDN_RULE, SWIGLU_OP], script)
+    # per micro-batch forward: one rule per gated delta net layer (2 layers, 2 micro-batches)
+    assert {n for (_, target), n in calls.items() if target == GDN_RULE} == {2 * 2 * ITERATIONS}
+    megatron_torch_path = _losses(launcher, 2, [*flags, "--deterministic-mode"], script)
+    assert megatron_torch_path == pytest.approx(losses, rel=1e-5)
+
+
+def test_gated_delta_net_layers_are_refused_before_megatron_core_0_18(megatron_lm_arguments, monkeypatch):
+    if _serves_gated_delta_net():
+        pytest.skip("served from megatron-core 0.18 (accelerator.gdn_fallback)")
+    from ascendspeed.features import FeatureArgumentError
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--global-batch-size", "4",
+                                      "--hybrid-override-pattern", "G*-"])
+    args = megatron_lm_arguments.parse_args()
+    with pytest.raises(FeatureArgumentError, match=re.escape("has gated delta net layers (G), whose megatron-core "
+                                                             "module needs fla")):
+        megatron_lm_arguments.validate_args(args, {})
 
 
 MLA = ["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "16", "--qk-head-dim", "16",
@@ -447,7 +487,6 @@ def megatron_lm_arguments():
      "Megatron without Transformer Engine cannot run with --fp8-format hybrid"),
     (["--transformer-impl", "transformer_engine", "--tp-comm-overlap"],
      "Megatron without Transformer Engine cannot run with --tp-comm-overlap True"),
-    (["--hybrid-override-pattern", "G*-"], "has gated delta net layers (G), whose megatron-core module needs fla"),
     (["--hybrid-override-pattern", "*E"],
      "has MoE layers (E), which megatron-core's hybrid specs build as grouped experts: grouped experts"),
     (["--multi-latent-attention", "--position-embedding-type", "alibi"],
