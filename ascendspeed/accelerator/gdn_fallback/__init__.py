@@ -10,27 +10,14 @@ the layer's call of it); before, ``G`` layers stay refused in ``validate_args`` 
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
+from ascendspeed.accelerator.optional_packages import importable
 
 FEATURE = "accelerator.gdn_fallback"
 
 
-@functools.lru_cache(maxsize=None)
-def fla_importable() -> bool:
-    """Whether megatron-core's ``from fla.ops.gated_delta_rule import chunk_gated_delta_rule`` can work."""
-    if importlib.util.find_spec("fla") is None:
-        return False
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except Exception:  # noqa: BLE001 - triton raises more than ImportError without a GPU
-        return False
-    return True
-
-
 def needed() -> bool:
     """The fallback is installed where ``fla`` does not import."""
-    return not fla_importable()
+    return not importable("fla.ops.gated_delta_rule")
 
 
 def patches():

@@ -10,27 +10,14 @@ Inference's single-token decode (``selective_state_update``, megatron-core's own
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
+from ascendspeed.accelerator.optional_packages import importable
 
 FEATURE = "accelerator.mamba_fallback"
 
 
-@functools.lru_cache(maxsize=None)
-def mamba_ssm_importable() -> bool:
-    """Whether megatron-core's ``from mamba_ssm.ops.triton.ssd_combined import ...`` can work."""
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return False
-    try:
-        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
-    except Exception:  # noqa: BLE001 - triton raises more than ImportError without a GPU
-        return False
-    return True
-
-
 def needed() -> bool:
     """The fallback is installed where ``mamba_ssm`` does not import."""
-    return not mamba_ssm_importable()
+    return not importable("mamba_ssm.ops.triton.ssd_combined")
 
 
 def patches():

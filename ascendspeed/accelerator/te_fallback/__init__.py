@@ -30,27 +30,14 @@ ops, the legacy grouped_gemm experts, delayed weight gradients) is refused in ``
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
+from ascendspeed.accelerator.optional_packages import importable
 
 FEATURE = "accelerator.te_fallback"
 
 
-@functools.lru_cache(maxsize=None)
-def transformer_engine_importable() -> bool:
-    """Whether ``import transformer_engine`` works (megatron-core's own ``HAVE_TE`` test)."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - TE raises more than ImportError without its CUDA libraries
-        return False
-    return True
-
-
 def needed() -> bool:
     """The fallback is installed where Transformer Engine does not import."""
-    return not transformer_engine_importable()
+    return not importable("transformer_engine")
 
 
 def serves_local_modules(args) -> bool:
@@ -73,5 +60,4 @@ def check_arguments(args) -> None:
     validation.check_arguments(args)
 
 
-__all__ = ["FEATURE", "check_arguments", "needed", "patches", "serves_local_modules",
-           "transformer_engine_importable"]
+__all__ = ["FEATURE", "check_arguments", "needed", "patches", "serves_local_modules"]
