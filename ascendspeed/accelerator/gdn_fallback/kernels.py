@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ascendspeed.accelerator.mamba_fallback import ssd
+from ascendspeed.features.context_parallel.layout import segment_ids
 from ascendspeed.patching import EXISTS, replace
 
 
@@ -31,7 +32,7 @@ def _sequence_ids(cu_seqlens: Optional[torch.Tensor], batch: int, length: int) -
     bounds = cu_seqlens.to(torch.int64)
     if int(bounds[-1]) != length:
         raise ValueError(f"cu_seqlens {bounds.tolist()} must end at the pack's {length} tokens")
-    return torch.searchsorted(bounds[1:], torch.arange(length, device=bounds.device), right=True)[None]
+    return segment_ids(torch.arange(length, device=bounds.device), bounds)[None]
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
