@@ -5,7 +5,8 @@
 
 Two paths, each in three variants, forward + backward, causal, no dropout, for every (seq, dtype):
 
-* ``local``: megatron-core's ``DotProductAttention`` (baddbmm into a score buffer, masked softmax, bmm).
+* ``local``: megatron-core's ``DotProductAttention`` (baddbmm into a score buffer, masked softmax, bmm), with
+  ``attention_backend=local`` so that ascendspeed's fused_attention feature leaves it on that path.
   ``none`` without position bias; ``alibi`` with ascendspeed's in-place bias operator; ``materialised``
   adds a precomputed [1, heads, seq, seq] fp32 bias to the scores, as implementations without a kernel do.
   Its score buffers are [heads, seq, seq]: above ``--local-full-heads-max-seq`` tokens the local path runs
@@ -28,7 +29,7 @@ threshold fixed at 64 KiB, so freed buffers leave the resident set at once): the
 a step (after a warm-up step, the kernel's high-water mark reset through /proc/self/clear_refs) minus the
 resident memory before the variant built its state, so a materialised bias counts.
 The JSON records the CPU model and its vector flags from /proc/cpuinfo, torch's CPU capability, the
-thread count and the load average (a shared machine makes every absolute number noisy).
+fused kernel's instruction set and bf16 matmul route (also printed), the thread count and the load average (a shared machine makes every absolute number noisy).
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class Bench:
 
     def attention(self, alibi):
         from megatron.core.transformer.dot_product_attention import DotProductAttention
-        from megatron.core.transformer.enums import AttnMaskType
+        from megatron.core.transformer.enums import AttnBackend, AttnMaskType
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         from ascendspeed.features.alibi import AlibiSettings
@@ -140,6 +141,9 @@ class Bench:
             masked_softmax_fusion=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
             persist_layer_norm=False, apply_rope_fusion=False, bf16=self.dtype == self.torch.bfloat16,
             params_dtype=self.dtype,
+            # Megatron's materialised path for every variant: the fused_attention feature would send the
+            # unbiased ones to torch's flash kernel (the fused path's baseline).
+            attention_backend=AttnBackend.local,
         )
         if alibi:
             config.alibi = AlibiSettings()
@@ -271,10 +275,14 @@ def main(argv=None):
         return
     import torch
 
+    import ascendspeed.ops.alibi_flash_attention  # noqa: F401 - the fused kernel and its description
+
     b, h, d = args.batch, args.heads, args.head_dim
     host = machine(torch)
+    host["alibi_flash_attention_kernel"] = torch.ops.ascendspeed._alibi_flash_attention_cpu_kernel()
     print(f"{host['cpu_model']}, {host['threads']} threads, torch {host['torch_cpu_capability']}; "
           f"attention forward+backward, b{b} h{h} d{d}, causal, {args.repeats} steps per variant")
+    print(f"fused ALiBi kernel: {host['alibi_flash_attention_kernel']}")
     configs = []
     for seq in args.seqs:
         for dtype_name in args.dtypes:

@@ -21,6 +21,7 @@
 
 #include "../common/cpu_isa.h"
 #include "alibi_attention_kernels.h"
+#include "block_gemm.h"
 
 namespace ascendspeed::alibi_attention {
 namespace {
@@ -221,6 +222,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
   return backward_outputs(kernel_layout(query), kernel_layout(key), kernel_layout(value));
 }
 
+// "AVX512, multi-threaded; bf16: bf16 dot products (oneDNN brgemm), AVX512-BF16 conversions": the
+// kernels this process runs, for benchmarks and tests.
+std::string cpu_kernel() {
+  const std::string isa = cpu_kernels().isa;
+  std::string bf16 = bf16_matmul_description();
+  if (bf16_dot_products()) {
+    bf16 += isa == "AVX512" && cpu_has_avx512_bf16() ? ", AVX512-BF16 conversions" : ", portable conversions";
+  }
+  return cpu::describe_kernels(cpu_kernels().isa) + "; bf16: " + bf16;
+}
+
 } // namespace
 
 TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
@@ -233,6 +245,7 @@ TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
       "Tensor logsumexp, Tensor slopes, float scale, int q_offset) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value)",
       {at::Tag::pt2_compliant_tag});
+  m.def("_alibi_flash_attention_cpu_kernel() -> str", &ascendspeed::alibi_attention::cpu_kernel);
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {

@@ -8,7 +8,8 @@
 // logsumexp. Backward recomputes every probability block from q, k and the logsumexp: nothing of
 // size [sq, sk] is ever stored. Key blocks entirely after a query block's last position are
 // skipped. Block matmuls run through block_gemm.h in opmath (fp32; fp64 for fp64 inputs): bf16 / fp16
-// rows are widened to fp32 first. Bias, softmax and every accumulator are in opmath as well.
+// rows are widened to fp32 first, except bf16 on CPUs with bf16 dot products (see "bf16 dot products"
+// below). Bias, softmax and every accumulator are in opmath.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -112,6 +113,57 @@ inline int64_t visible_keys(int64_t q_pos, int64_t k_begin, int64_t block_keys) 
   return std::clamp<int64_t>(q_pos + 1 - k_begin, 0, block_keys);
 }
 
+// One row of a forward block: s holds the row's q.k products for the block's keys, `visible` of them
+// seen. The row's running maximum, sum and output accumulator are updated (the accumulator rescaled
+// when the maximum grows); exp_sum(visible, shift) writes exp(biased score - shift) for the visible keys
+// (zeros for the rest) where the block's P V product reads them and returns their sum.
+template <typename acc_t, typename ExpSum>
+void online_softmax_row(acc_t* s, int64_t visible, acc_t scale, acc_t slope, int64_t first_distance, acc_t& row_max,
+                        acc_t& row_sum, acc_t* acc_row, int64_t dim, const ExpSum& exp_sum) {
+  if (visible == 0) {
+    exp_sum(0, acc_t(0));
+    return;
+  }
+  const acc_t block_max = biased_scores<acc_t>(s, visible, scale, slope, first_distance);
+  const acc_t new_max = std::max(row_max, block_max);
+  const acc_t block_sum = exp_sum(visible, new_max);
+  // The first block of every row has a visible key, so row_max is finite from then on.
+  const acc_t rescale = std::exp(row_max - new_max);
+  row_sum = row_sum * rescale + block_sum;
+  row_max = new_max;
+  if (rescale != acc_t(1)) {
+    at::vec::map([rescale](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(rescale); }, acc_row, acc_row, dim);
+  }
+}
+
+// The end of a forward query block: each output row divided by its sum and converted, and the logsumexp.
+template <typename scalar_t, typename acc_t>
+void finish_rows(acc_t* acc, int64_t rows, int64_t dim, const acc_t* row_max, const acc_t* row_sum,
+                 scalar_t* out_block, int64_t out_stride, acc_t* lse_block) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const acc_t inverse = acc_t(1) / row_sum[r];
+    at::vec::map([inverse](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(inverse); },
+                 acc + r * dim, acc + r * dim, dim);
+    convert_row<scalar_t, acc_t>(acc + r * dim, out_block + r * out_stride, dim);
+    lse_block[r] = row_max[r] + std::log(row_sum[r]);
+  }
+}
+
+// One row of a backward block: p holds the row's q.k products, ds its dO.v products; p becomes the
+// forward's probabilities exp(biased score - lse) and ds the score gradient p * (dp - delta).
+template <typename acc_t>
+void probabilities_and_score_grads_row(acc_t* p, acc_t* ds, int64_t cols, int64_t visible, acc_t scale, acc_t slope,
+                                       int64_t first_distance, acc_t lse, acc_t delta) {
+  using Vec = Vectorized<acc_t>;
+  if (visible > 0) {
+    biased_scores<acc_t>(p, visible, scale, slope, first_distance);
+  }
+  exp_shifted<acc_t>(p, visible, cols, lse);
+  // dS = P * (dP - delta): zero where P is (the masked keys).
+  const Vec delta_vec(delta);
+  at::vec::map2([delta_vec](Vec pv, Vec dpv) { return pv * (dpv - delta_vec); }, ds, p, ds, cols);
+}
+
 // Rows of one operand as opmath values: read in place for fp32 / fp64, widened into a buffer for
 // bf16 / fp16 so that every block matmul is an fp32 one with fp32 probabilities (MKL's bf16 gemm,
 // for one, widens to fp32 itself on CPUs without native bf16 instructions, at every call).
@@ -184,36 +236,18 @@ void forward_typed(
                     k_rows.ld, acc_t(0), scores.data(), cols);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t q_pos = q_begin + r + q_offset;
-            const int64_t visible = visible_keys(q_pos, k_begin, cols);
             acc_t* s = scores.data() + r * cols;
-            if (visible == 0) {
-              std::fill(s, s + cols, acc_t(0));
-              continue;
-            }
-            const acc_t block_max = biased_scores<acc_t>(s, visible, scale, slope, q_pos - k_begin);
-            const acc_t new_max = std::max(row_max[r], block_max);
-            const acc_t block_sum = exp_shifted<acc_t>(s, visible, cols, new_max);
-            // The first block of every row has a visible key, so row_max is finite from then on.
-            const acc_t rescale = std::exp(row_max[r] - new_max);
-            row_sum[r] = row_sum[r] * rescale + block_sum;
-            row_max[r] = new_max;
-            if (rescale != acc_t(1)) {
-              at::vec::map([rescale](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(rescale); },
-                           acc.data() + r * dim, acc.data() + r * dim, dim);
-            }
+            online_softmax_row<acc_t>(
+                s, visible_keys(q_pos, k_begin, cols), scale, slope, q_pos - k_begin, row_max[r], row_sum[r],
+                acc.data() + r * dim, dim,
+                [s, cols](int64_t visible, acc_t shift) { return exp_shifted<acc_t>(s, visible, cols, shift); });
           }
           gemm_rows(false, false, rows, dim, cols, acc_t(1), scores.data(), cols, v_rows.data + k_begin * v_rows.ld,
                     v_rows.ld, acc_t(1), acc.data(), dim);
         }
-        scalar_t* out_block = out_data + b * out.stride(0) + h * out.stride(1) + q_begin * out.stride(2);
-        acc_t* lse_block = lse_data + (b * heads + h) * sq + q_begin;
-        for (int64_t r = 0; r < rows; ++r) {
-          const acc_t inverse = acc_t(1) / row_sum[r];
-          at::vec::map([inverse](Vectorized<acc_t> x) { return x * Vectorized<acc_t>(inverse); },
-                       acc.data() + r * dim, acc.data() + r * dim, dim);
-          convert_row<scalar_t, acc_t>(acc.data() + r * dim, out_block + r * out.stride(2), dim);
-          lse_block[r] = row_max[r] + std::log(row_sum[r]);
-        }
+        finish_rows<scalar_t, acc_t>(acc.data(), rows, dim, row_max.data(), row_sum.data(),
+                                     out_data + b * out.stride(0) + h * out.stride(1) + q_begin * out.stride(2),
+                                     out.stride(2), lse_data + (b * heads + h) * sq + q_begin);
       }
     }
   });
@@ -249,7 +283,6 @@ void backward_typed(
     const at::Tensor& grad_k,
     const at::Tensor& grad_v) {
   using acc_t = at::opmath_type<scalar_t>;
-  using Vec = Vectorized<acc_t>;
   const int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), dim = q.size(3), sk = k.size(2);
   const acc_t scale = static_cast<acc_t>(scale_d);
   const scalar_t* go_data = grad_out.const_data_ptr<scalar_t>();
@@ -300,16 +333,9 @@ void backward_typed(
                     grad_scores.data(), cols);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t q_pos = q_begin + r + q_offset;
-            const int64_t visible = visible_keys(q_pos, k_begin, cols);
-            acc_t* p = probs.data() + r * cols;
-            acc_t* ds = grad_scores.data() + r * cols;
-            if (visible > 0) {
-              biased_scores<acc_t>(p, visible, scale, slope, q_pos - k_begin);
-            }
-            exp_shifted<acc_t>(p, visible, cols, lse_head[q_begin + r]);
-            // dS = P * (dP - delta): zero where P is (the masked keys).
-            const Vec delta_vec(delta[r]);
-            at::vec::map2([delta_vec](Vec pv, Vec dpv) { return pv * (dpv - delta_vec); }, ds, p, ds, cols);
+            probabilities_and_score_grads_row<acc_t>(
+                probs.data() + r * cols, grad_scores.data() + r * cols, cols, visible_keys(q_pos, k_begin, cols), scale,
+                slope, q_pos - k_begin, lse_head[q_begin + r], delta[r]);
           }
           // dV += P^T dO;  dQ += scale * dS K;  dK += scale * dS^T Q
           gemm_rows(true, false, cols, dim, rows, acc_t(1), probs.data(), cols, go_rows.data, go_rows.ld, acc_t(1),
@@ -334,6 +360,385 @@ void backward_typed(
   });
 }
 
+// ---- bf16 dot products -------------------------------------------------------------------------------
+// bf16 inputs on CPUs that multiply bf16 natively (block_gemm.h: PackedBf16, bf16_dot_products()).
+// q k^T and dO v^T take the bf16 rows as they are: a product of two bf16 is exact in fp32, so these
+// scores equal the widened path's up to the order of the fp32 sums. An fp32 factor (probabilities,
+// score gradients) enters as two bf16 terms, hi = bf16(x) and lo = bf16(x - hi), against the other
+// operand taken twice: x is kept to about 2^-17 of itself where bf16 alone keeps 2^-9, so the
+// probabilities are still never rounded to bf16. bf16 has fp32's exponent range, so the split is safe
+// for any finite x (fp16 inputs keep the widened path).
+
+inline int64_t round_up_even(int64_t n) {
+  return n + (n & 1);
+}
+
+using FloatVec = Vectorized<float>;
+using Bf16Vec = Vectorized<c10::BFloat16>;
+constexpr int64_t kSplitWidth = Bf16Vec::size();  // two FloatVec
+
+// x0, x1 rounded to bf16 (nearest even). With kNativeBf16, by AVX512-BF16's vcvtne2ps2bf16, one
+// instruction for 32 values (the portable conversion takes about a dozen); it is written as inline
+// assembly so that only this instruction, not the whole AVX-512 region, needs the extension, and runs
+// only where the CPU has it (native_bf16_conversion()).
+template <bool kNativeBf16>
+inline Bf16Vec to_bf16(const FloatVec& x0, const FloatVec& x1) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kNativeBf16) {
+    __m512i rounded;
+    asm("vcvtne2ps2bf16 %2, %1, %0" : "=v"(rounded) : "v"(static_cast<__m512>(x1)), "v"(static_cast<__m512>(x0)));
+    return Bf16Vec(rounded);
+  }
+#endif
+  return at::vec::convert_from_float<c10::BFloat16>(x0, x1);
+}
+
+inline bool native_bf16_conversion() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
+
+// The first n (<= kSplitWidth) values of the pair x0, x1 as hi = bf16(x) and lo = bf16(x - hi).
+template <bool kNativeBf16>
+inline void store_split(const FloatVec& x0, const FloatVec& x1, c10::BFloat16* hi, c10::BFloat16* lo, int64_t n) {
+  const Bf16Vec high = to_bf16<kNativeBf16>(x0, x1);
+  const auto [h0, h1] = at::vec::convert_to_float<c10::BFloat16>(high);
+  const Bf16Vec low = to_bf16<kNativeBf16>(x0 - h0, x1 - h1);
+  if (n == kSplitWidth) {
+    high.store(hi);
+    low.store(lo);
+  } else {
+    high.store(hi, n);
+    low.store(lo, n);
+  }
+}
+
+// Forward's exp_sum for bf16 products: p = exp(s - shift) for the visible keys, stored only as hi / lo
+// (zeros up to `padded`); returns the fp32 sum of p.
+template <bool kNativeBf16>
+float exp_shifted_split(const float* s, int64_t visible, int64_t padded, float shift, c10::BFloat16* hi,
+                        c10::BFloat16* lo) {
+  constexpr int64_t W = FloatVec::size();
+  const FloatVec shift_vec(shift), zero(0.0f);
+  FloatVec sum_vec(0.0f);
+  for (int64_t j = 0; j < visible; j += kSplitWidth) {
+    const int64_t n = std::min(kSplitWidth, visible - j), n0 = std::min(W, n), n1 = n - n0;
+    FloatVec p0 = vec_exp(FloatVec::loadu(s + j, n0) - shift_vec);
+    FloatVec p1 = n1 > 0 ? vec_exp(FloatVec::loadu(s + j + W, n1) - shift_vec) : zero;
+    if (n0 < W) {
+      p0 = FloatVec::set(zero, p0, n0);
+    }
+    if (n1 < W) {
+      p1 = FloatVec::set(zero, p1, n1);
+    }
+    sum_vec = sum_vec + p0 + p1;
+    store_split<kNativeBf16>(p0, p1, hi + j, lo + j, n);
+  }
+  std::fill(hi + visible, hi + padded, c10::BFloat16(0.0f));
+  std::fill(lo + visible, lo + padded, c10::BFloat16(0.0f));
+  return at::vec::vec_reduce_all<float>([](const FloatVec& x, const FloatVec& y) { return x + y; }, sum_vec);
+}
+
+// Backward's row for bf16 products: from the row's q.k products p and dO.v products dp, the
+// probabilities P = exp(biased score - lse) and score gradients dS = scale * P * (dP - delta), stored
+// only as their hi / lo terms: P in (p_hi, p_lo) and dS in (ds_hi, ds_lo), each `cols` long, and dS again
+// in the row of the left-hand operand [dS_hi | dS_lo] (`half` >= cols apart, zero-padded).
+template <bool kNativeBf16>
+void probabilities_and_score_grads_split(
+    float* p, const float* dp, int64_t cols, int64_t visible, float scale, float slope, int64_t first_distance,
+    float lse, float delta, c10::BFloat16* p_hi, c10::BFloat16* p_lo, c10::BFloat16* ds_hi, c10::BFloat16* ds_lo,
+    c10::BFloat16* ds_left, int64_t half) {
+  constexpr int64_t W = FloatVec::size();
+  if (visible > 0) {
+    biased_scores<float>(p, visible, scale, slope, first_distance);
+  }
+  const FloatVec lse_vec(lse), delta_vec(delta), scale_vec(scale), zero(0.0f);
+  for (int64_t j = 0; j < visible; j += kSplitWidth) {
+    const int64_t n = std::min(kSplitWidth, visible - j), n0 = std::min(W, n), n1 = n - n0;
+    FloatVec p0 = vec_exp(FloatVec::loadu(p + j, n0) - lse_vec);
+    FloatVec p1 = n1 > 0 ? vec_exp(FloatVec::loadu(p + j + W, n1) - lse_vec) : zero;
+    if (n0 < W) {
+      p0 = FloatVec::set(zero, p0, n0);
+    }
+    if (n1 < W) {
+      p1 = FloatVec::set(zero, p1, n1);
+    }
+    const FloatVec ds0 = p0 * (FloatVec::loadu(dp + j, n0) - delta_vec) * scale_vec;
+    const FloatVec ds1 = p1 * (FloatVec::loadu(dp + j + W, n1) - delta_vec) * scale_vec;
+    store_split<kNativeBf16>(p0, p1, p_hi + j, p_lo + j, n);
+    store_split<kNativeBf16>(ds0, ds1, ds_hi + j, ds_lo + j, n);
+    std::copy(ds_hi + j, ds_hi + j + n, ds_left + j);
+    std::copy(ds_lo + j, ds_lo + j + n, ds_left + half + j);
+  }
+  for (c10::BFloat16* row : {p_hi, p_lo, ds_hi, ds_lo}) {
+    std::fill(row + visible, row + cols, c10::BFloat16(0.0f));
+  }
+  std::fill(ds_left + visible, ds_left + half, c10::BFloat16(0.0f));
+  std::fill(ds_left + half + visible, ds_left + 2 * half, c10::BFloat16(0.0f));
+}
+
+// dst[r, 0:dim) = src row r (rows `stride` apart), dst[r, dim:ld) = 0, for r < rows.
+inline void stage_rows(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t dim, c10::BFloat16* dst,
+                       int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(src + r * stride, src + r * stride + dim, dst + r * ld);
+    std::fill(dst + r * ld + dim, dst + (r + 1) * ld, c10::BFloat16(0.0f));
+  }
+}
+
+// dst[d, j] = src[j, d] for j < rows, d < dim (src rows `stride` apart, dst rows ld apart).
+inline void stage_transposed(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t dim,
+                             c10::BFloat16* dst, int64_t ld) {
+  constexpr int64_t kTile = 16;
+  for (int64_t j0 = 0; j0 < rows; j0 += kTile) {
+    const int64_t j1 = std::min(rows, j0 + kTile);
+    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+      const int64_t d1 = std::min(dim, d0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t d = d0; d < d1; ++d) {
+          dst[d * ld + j] = src[j * stride + d];
+        }
+      }
+    }
+  }
+}
+
+// The right-hand operand [X; X] of a split product: rows [0, rows) of X twice, each copy padded with
+// zero rows to `half` (even) rows. staging holds 2 * half * dim values.
+inline void pack_twice(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t half, int64_t dim,
+                       std::vector<c10::BFloat16>& staging, PackedBf16& packed) {
+  for (int64_t copy = 0; copy < 2; ++copy) {
+    stage_rows(src, stride, rows, dim, staging.data() + copy * half * dim, dim);
+    std::fill(staging.data() + (copy * half + rows) * dim, staging.data() + (copy + 1) * half * dim,
+              c10::BFloat16(0.0f));
+  }
+  packed.pack(staging.data(), dim, 2 * half, dim);
+}
+
+// dst[j, d] = bf16(src[d, j]) for src [dim, n] (rows n apart), dst rows `stride` apart.
+inline void store_transposed(const float* src, int64_t dim, int64_t n, c10::BFloat16* dst, int64_t stride) {
+  constexpr int64_t kTile = 16;
+  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const int64_t j1 = std::min(n, j0 + kTile);
+    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
+      const int64_t d1 = std::min(dim, d0 + kTile);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t d = d0; d < d1; ++d) {
+          dst[j * stride + d] = c10::BFloat16(src[d * n + j]);
+        }
+      }
+    }
+  }
+}
+
+// The left-hand operand [X^T | X^T] of a split product whose right-hand side is [hi rows; lo rows]:
+// dst[d, c * half + r] = X[r, d] for c in {0, 1}, zero for r in [rows, half).
+inline void stage_transposed_twice(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t half,
+                                   int64_t dim, c10::BFloat16* dst) {
+  for (int64_t copy = 0; copy < 2; ++copy) {
+    stage_transposed(src, stride, rows, dim, dst + copy * half, 2 * half);
+    for (int64_t d = 0; d < dim; ++d) {
+      std::fill(dst + d * 2 * half + copy * half + rows, dst + d * 2 * half + (copy + 1) * half, c10::BFloat16(0.0f));
+    }
+  }
+}
+
+template <bool kNativeBf16>
+void forward_bf16_products(
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& slopes,
+    double scale_d,
+    int64_t q_offset,
+    const at::Tensor& out,
+    const at::Tensor& lse) {
+  using scalar_t = c10::BFloat16;
+  const int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), dim = q.size(3), sk = k.size(2);
+  const int64_t dim_even = round_up_even(dim);
+  const float scale = static_cast<float>(scale_d);
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const scalar_t* k_data = k.const_data_ptr<scalar_t>();
+  const scalar_t* v_data = v.const_data_ptr<scalar_t>();
+  const float* slope_data = slopes.const_data_ptr<float>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  float* lse_data = lse.data_ptr<float>();
+  const int64_t head_key_end = key_end_of(sq, q_offset, sk);
+  const int64_t key_blocks = (head_key_end + kBlockK - 1) / kBlockK;
+
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    const ascendspeed::cpu::FlushSubnormals flush_subnormals;  // see ../common/flush_subnormals.h
+    std::vector<float> scores(kBlockQ * kBlockK), acc(kBlockQ * dim), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<scalar_t> staging(2 * round_up_even(kBlockK) * dim);
+    std::vector<scalar_t> q_block(kBlockQ * dim_even), p_split(kBlockQ * 2 * round_up_even(kBlockK));
+    PackedBf16 keys_t;                                  // K^T of the head, [dim_even, head_key_end]
+    std::vector<PackedBf16> values_twice(key_blocks);  // [V; V] of each key block
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit % heads, b = unit / heads;
+      const scalar_t* k_head = k_data + b * k.stride(0) + h * k.stride(1);
+      const scalar_t* v_head = v_data + b * v.stride(0) + h * v.stride(1);
+      keys_t.pack_transposed(k_head, k.stride(2), head_key_end, dim);
+      for (int64_t block = 0; block < key_blocks; ++block) {
+        const int64_t k_begin = block * kBlockK, width = std::min(kBlockK, head_key_end - k_begin);
+        pack_twice(v_head + k_begin * v.stride(2), v.stride(2), width, round_up_even(width), dim, staging,
+                   values_twice[block]);
+      }
+      const float slope = slope_data[h];
+      for (int64_t q_begin = 0; q_begin < sq; q_begin += kBlockQ) {
+        const int64_t rows = std::min(kBlockQ, sq - q_begin);
+        stage_rows(q_data + b * q.stride(0) + h * q.stride(1) + q_begin * q.stride(2), q.stride(2), rows, dim,
+                   q_block.data(), dim_even);
+        std::fill(acc.begin(), acc.begin() + rows * dim, 0.0f);
+        std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+        std::fill(row_sum.begin(), row_sum.end(), 0.0f);
+        const int64_t key_end = key_end_of(q_begin + rows, q_offset, sk);
+        for (int64_t k_begin = 0; k_begin < key_end; k_begin += kBlockK) {
+          const int64_t cols = std::min(kBlockK, key_end - k_begin);
+          const PackedBf16& values = values_twice[k_begin / kBlockK];
+          keys_t.multiply(q_block.data(), dim_even, rows, scores.data(), cols, false, k_begin, k_begin + cols);
+          const int64_t half = values.k() / 2;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t q_pos = q_begin + r + q_offset;
+            float* s = scores.data() + r * cols;
+            scalar_t* hi = p_split.data() + r * 2 * half;
+            online_softmax_row<float>(
+                s, visible_keys(q_pos, k_begin, cols), scale, slope, q_pos - k_begin, row_max[r], row_sum[r],
+                acc.data() + r * dim, dim, [s, half, hi](int64_t visible, float shift) {
+                  return exp_shifted_split<kNativeBf16>(s, visible, half, shift, hi, hi + half);
+                });
+          }
+          values.multiply(p_split.data(), 2 * half, rows, acc.data(), dim, true);
+        }
+        finish_rows<scalar_t, float>(acc.data(), rows, dim, row_max.data(), row_sum.data(),
+                                     out_data + b * out.stride(0) + h * out.stride(1) + q_begin * out.stride(2),
+                                     out.stride(2), lse_data + (b * heads + h) * sq + q_begin);
+      }
+    }
+    release_bf16_dot_products();
+  });
+}
+
+template <bool kNativeBf16>
+void backward_bf16_products(
+    const at::Tensor& grad_out,
+    const at::Tensor& q,
+    const at::Tensor& k,
+    const at::Tensor& v,
+    const at::Tensor& out,
+    const at::Tensor& lse,
+    const at::Tensor& slopes,
+    double scale_d,
+    int64_t q_offset,
+    const at::Tensor& grad_q,
+    const at::Tensor& grad_k,
+    const at::Tensor& grad_v) {
+  using scalar_t = c10::BFloat16;
+  const int64_t batch = q.size(0), heads = q.size(1), sq = q.size(2), dim = q.size(3), sk = k.size(2);
+  const int64_t dim_even = round_up_even(dim);
+  const float scale = static_cast<float>(scale_d);
+  const scalar_t* go_data = grad_out.const_data_ptr<scalar_t>();
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const scalar_t* k_data = k.const_data_ptr<scalar_t>();
+  const scalar_t* v_data = v.const_data_ptr<scalar_t>();
+  const scalar_t* out_data = out.const_data_ptr<scalar_t>();
+  const float* lse_data = lse.const_data_ptr<float>();
+  const float* slope_data = slopes.const_data_ptr<float>();
+  scalar_t* gq_data = grad_q.data_ptr<scalar_t>();
+  scalar_t* gk_data = grad_k.data_ptr<scalar_t>();
+  scalar_t* gv_data = grad_v.data_ptr<scalar_t>();
+  const int64_t head_key_end = key_end_of(sq, q_offset, sk);
+  const int64_t key_blocks = (head_key_end + kBlockK - 1) / kBlockK;
+  const int64_t rows_half = round_up_even(kBlockQ), cols_half = round_up_even(kBlockK);
+
+  // dQ += dS K per query block; dK^T += Q^T dS and dV^T += dO^T P accumulate over the head's query
+  // blocks, transposed so that the split factor (dS, P) is the right-hand operand, packed once per block.
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    const ascendspeed::cpu::FlushSubnormals flush_subnormals;  // see ../common/flush_subnormals.h
+    std::vector<float> probs(kBlockQ * kBlockK), grad_scores(kBlockQ * kBlockK);
+    std::vector<float> gq_acc(kBlockQ * dim), gk_t(dim * sk), gv_t(dim * sk), delta(kBlockQ);
+    std::vector<scalar_t> staging(2 * cols_half * dim);
+    std::vector<scalar_t> q_block(kBlockQ * dim_even), go_block(kBlockQ * dim_even);
+    std::vector<scalar_t> q_t_twice(dim * 2 * rows_half), go_t_twice(dim * 2 * rows_half);
+    std::vector<scalar_t> split_left(kBlockQ * 2 * cols_half), split_right(2 * 2 * rows_half * kBlockK);
+    PackedBf16 keys_t, values_t, factor;  // K^T, V^T of the head; one block's split P or dS
+    std::vector<PackedBf16> keys_twice(key_blocks);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t h = unit % heads, b = unit / heads;
+      const scalar_t* k_head = k_data + b * k.stride(0) + h * k.stride(1);
+      const scalar_t* v_head = v_data + b * v.stride(0) + h * v.stride(1);
+      const scalar_t* q_head = q_data + b * q.stride(0) + h * q.stride(1);
+      const scalar_t* go_head = go_data + b * grad_out.stride(0) + h * grad_out.stride(1);
+      const scalar_t* out_head = out_data + b * out.stride(0) + h * out.stride(1);
+      const float* lse_head = lse_data + (b * heads + h) * sq;
+      const float slope = slope_data[h];
+      keys_t.pack_transposed(k_head, k.stride(2), head_key_end, dim);
+      values_t.pack_transposed(v_head, v.stride(2), head_key_end, dim);
+      for (int64_t block = 0; block < key_blocks; ++block) {
+        const int64_t k_begin = block * kBlockK, width = std::min(kBlockK, head_key_end - k_begin);
+        pack_twice(k_head + k_begin * k.stride(2), k.stride(2), width, round_up_even(width), dim, staging,
+                   keys_twice[block]);
+      }
+      std::fill(gk_t.begin(), gk_t.end(), 0.0f);
+      std::fill(gv_t.begin(), gv_t.end(), 0.0f);
+      for (int64_t q_begin = 0; q_begin < sq; q_begin += kBlockQ) {
+        const int64_t rows = std::min(kBlockQ, sq - q_begin), half_rows = round_up_even(rows);
+        const scalar_t* q_rows = q_head + q_begin * q.stride(2);
+        const scalar_t* go_rows = go_head + q_begin * grad_out.stride(2);
+        stage_rows(q_rows, q.stride(2), rows, dim, q_block.data(), dim_even);
+        stage_rows(go_rows, grad_out.stride(2), rows, dim, go_block.data(), dim_even);
+        stage_transposed_twice(q_rows, q.stride(2), rows, half_rows, dim, q_t_twice.data());
+        stage_transposed_twice(go_rows, grad_out.stride(2), rows, half_rows, dim, go_t_twice.data());
+        row_dots<scalar_t, float>(go_rows, grad_out.stride(2), out_head + q_begin * out.stride(2), out.stride(2), rows,
+                                  dim, delta.data());
+        std::fill(gq_acc.begin(), gq_acc.begin() + rows * dim, 0.0f);
+        const int64_t key_end = key_end_of(q_begin + rows, q_offset, sk);
+        for (int64_t k_begin = 0; k_begin < key_end; k_begin += kBlockK) {
+          const int64_t cols = std::min(kBlockK, key_end - k_begin);
+          keys_t.multiply(q_block.data(), dim_even, rows, probs.data(), cols, false, k_begin, k_begin + cols);
+          values_t.multiply(go_block.data(), dim_even, rows, grad_scores.data(), cols, false, k_begin, k_begin + cols);
+          const PackedBf16& keys = keys_twice[k_begin / kBlockK];
+          const int64_t half_cols = keys.k() / 2;
+          scalar_t* p_split = split_right.data();  // [P_hi; P_lo], [2 * half_rows, cols]
+          scalar_t* ds_split = p_split + 2 * half_rows * cols;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t q_pos = q_begin + r + q_offset;
+            probabilities_and_score_grads_split<kNativeBf16>(
+                probs.data() + r * cols, grad_scores.data() + r * cols, cols, visible_keys(q_pos, k_begin, cols),
+                scale, slope, q_pos - k_begin, lse_head[q_begin + r], delta[r], p_split + r * cols,
+                p_split + (half_rows + r) * cols, ds_split + r * cols, ds_split + (half_rows + r) * cols,
+                split_left.data() + r * 2 * half_cols, half_cols);
+          }
+          if (rows < half_rows) {  // the zero row of an odd block
+            for (scalar_t* split : {p_split, ds_split}) {
+              std::fill(split + rows * cols, split + half_rows * cols, scalar_t(0.0f));
+              std::fill(split + (half_rows + rows) * cols, split + 2 * half_rows * cols, scalar_t(0.0f));
+            }
+          }
+          // dV^T += [dO^T | dO^T] [P_hi; P_lo];  dK^T += [Q^T | Q^T] [dS_hi; dS_lo] (dS carries the scale)
+          factor.pack(p_split, cols, 2 * half_rows, cols);
+          factor.multiply(go_t_twice.data(), 2 * half_rows, dim, gv_t.data() + k_begin, sk, true);
+          factor.pack(ds_split, cols, 2 * half_rows, cols);
+          factor.multiply(q_t_twice.data(), 2 * half_rows, dim, gk_t.data() + k_begin, sk, true);
+          // dQ += [dS_hi | dS_lo] [K; K]
+          keys.multiply(split_left.data(), 2 * half_cols, rows, gq_acc.data(), dim, true);
+        }
+        scalar_t* gq_block = gq_data + b * grad_q.stride(0) + h * grad_q.stride(1) + q_begin * grad_q.stride(2);
+        for (int64_t r = 0; r < rows; ++r) {
+          convert_row<scalar_t, float>(gq_acc.data() + r * dim, gq_block + r * grad_q.stride(2), dim);
+        }
+      }
+      scalar_t* gk_head = gk_data + b * grad_k.stride(0) + h * grad_k.stride(1);
+      scalar_t* gv_head = gv_data + b * grad_v.stride(0) + h * grad_v.stride(1);
+      store_transposed(gk_t.data(), dim, sk, gk_head, grad_k.stride(2));
+      store_transposed(gv_t.data(), dim, sk, gv_head, grad_v.stride(2));
+    }
+    release_bf16_dot_products();
+  });
+}
+
 void forward(
     const at::Tensor& q,
     const at::Tensor& k,
@@ -343,6 +748,14 @@ void forward(
     int64_t q_offset,
     const at::Tensor& out,
     const at::Tensor& lse) {
+  if (q.scalar_type() == at::kBFloat16 && bf16_dot_products()) {
+    if (native_bf16_conversion()) {
+      forward_bf16_products<true>(q, k, v, slopes, scale, q_offset, out, lse);
+    } else {
+      forward_bf16_products<false>(q, k, v, slopes, scale, q_offset, out, lse);
+    }
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "alibi_flash_attention", [&] {
     forward_typed<scalar_t>(q, k, v, slopes, scale, q_offset, out, lse);
   });
@@ -361,6 +774,14 @@ void backward(
     const at::Tensor& grad_q,
     const at::Tensor& grad_k,
     const at::Tensor& grad_v) {
+  if (q.scalar_type() == at::kBFloat16 && bf16_dot_products()) {
+    if (native_bf16_conversion()) {
+      backward_bf16_products<true>(grad_out, q, k, v, out, lse, slopes, scale, q_offset, grad_q, grad_k, grad_v);
+    } else {
+      backward_bf16_products<false>(grad_out, q, k, v, out, lse, slopes, scale, q_offset, grad_q, grad_k, grad_v);
+    }
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "alibi_flash_attention_backward", [&] {
     backward_typed<scalar_t>(grad_out, q, k, v, out, lse, slopes, scale, q_offset, grad_q, grad_k, grad_v);
   });

@@ -5,10 +5,16 @@
 // dispatch and tensor construction each time. torch's x86-64 builds link MKL and export its BLAS
 // entry points, so they are declared weak here and called directly when present; any other build
 // falls back to at::addmm on views of the blocks.
+//
+// bf16 dot products go through at::native::cpublas (exported by libtorch_cpu, oneDNN inside): pack()
+// writes a B operand in the VNNI layout, brgemm() multiplies, could_pack() says whether this CPU has
+// the instructions.
 #include "block_gemm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/native/CPUBlas.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -26,12 +32,26 @@ void dgemm_(const char* transa, const char* transb, const int* m, const int* n, 
 namespace ascendspeed::alibi_attention {
 namespace {
 
-bool aten_forced() {
-  static const bool forced = [] {
-    const char* choice = std::getenv("ASCENDSPEED_ALIBI_GEMM");
-    return choice != nullptr && std::strcmp(choice, "aten") == 0;
+enum class GemmChoice { kAuto, kMkl, kAten };
+
+GemmChoice gemm_choice() {
+  static const GemmChoice choice = [] {
+    const char* name = std::getenv("ASCENDSPEED_ALIBI_GEMM");
+    if (name == nullptr || *name == '\0' || std::strcmp(name, "auto") == 0) {
+      return GemmChoice::kAuto;
+    }
+    if (std::strcmp(name, "mkl") == 0) {
+      return GemmChoice::kMkl;
+    }
+    TORCH_CHECK_VALUE(
+        std::strcmp(name, "aten") == 0, "ASCENDSPEED_ALIBI_GEMM must be auto, mkl or aten, got '", name, "'");
+    return GemmChoice::kAten;
   }();
-  return forced;
+  return choice;
+}
+
+bool aten_forced() {
+  return gemm_choice() == GemmChoice::kAten;
 }
 
 bool fits_int(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc) {
@@ -85,6 +105,94 @@ void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t
     return;
   }
   fortran_gemm_rows<double>(dgemm_, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// oneDNN says it can pack bf16 for this CPU; one tiny product checks that it also multiplies, once per
+// process, so that a CPU it misjudges keeps the widened route instead of failing inside attention.
+bool bf16_products_work() {
+  if (!at::native::cpublas::could_pack(at::kBFloat16)) {
+    return false;
+  }
+  try {
+    constexpr int64_t k = 2, n = 16;
+    const std::vector<c10::BFloat16> a(k, c10::BFloat16(1.0f)), b(k * n, c10::BFloat16(0.5f));
+    std::vector<c10::BFloat16> packed(k * n);
+    std::vector<float> c(n, 0.0f);
+    at::native::cpublas::pack(k, n, n, n, at::kBFloat16, at::kBFloat16, b.data(), packed.data());
+    at::native::cpublas::brgemm(1, n, k, k, n, n, false, a.data(), packed.data(), c.data(), /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    return std::all_of(c.begin(), c.end(), [](float x) { return x == 1.0f; });
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+bool bf16_dot_products() {
+  static const bool available = gemm_choice() == GemmChoice::kAuto && bf16_products_work();
+  return available;
+}
+
+bool cpu_has_avx512_bf16() {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+std::string bf16_matmul_description() {
+  if (bf16_dot_products()) {
+    return "bf16 dot products (oneDNN brgemm)";
+  }
+  return sgemm_ != nullptr && !aten_forced() ? "fp32 (MKL sgemm)" : "fp32 (at::addmm)";
+}
+
+void PackedBf16::pack(const c10::BFloat16* b, int64_t ld, int64_t k, int64_t n) {
+  TORCH_INTERNAL_ASSERT(k % 2 == 0, "PackedBf16: k must be even, got ", k);
+  k_ = k;
+  n_ = n;
+  packed_.resize(k * panel_stride(n));
+  for (int64_t begin = 0; begin < n; begin += kPanel) {
+    const int64_t width = std::min(kPanel, n - begin);
+    at::native::cpublas::pack(k, width, ld, panel_stride(width), at::kBFloat16, at::kBFloat16, b + begin,
+                              packed_.data() + begin * k);
+  }
+}
+
+void PackedBf16::pack_transposed(const c10::BFloat16* x, int64_t stride, int64_t n, int64_t x_cols) {
+  k_ = x_cols + (x_cols & 1);
+  n_ = n;
+  packed_.resize(k_ * panel_stride(n));
+  tile_.resize(k_ * kPanel);
+  // One panel at a time through a small tile: the transposing writes stay in L1.
+  for (int64_t begin = 0; begin < n; begin += kPanel) {
+    const int64_t width = std::min(kPanel, n - begin);
+    for (int64_t j = 0; j < width; ++j) {
+      const c10::BFloat16* row = x + (begin + j) * stride;
+      for (int64_t d = 0; d < x_cols; ++d) {
+        tile_[d * width + j] = row[d];
+      }
+    }
+    std::fill(tile_.begin() + x_cols * width, tile_.begin() + k_ * width, c10::BFloat16(0.0f));
+    at::native::cpublas::pack(k_, width, width, panel_stride(width), at::kBFloat16, at::kBFloat16, tile_.data(),
+                              packed_.data() + begin * k_);
+  }
+}
+
+void PackedBf16::multiply(const c10::BFloat16* a, int64_t lda, int64_t m, float* c, int64_t ldc, bool accumulate,
+                          int64_t n_begin, int64_t n_end) const {
+  TORCH_INTERNAL_ASSERT(n_begin % kPanel == 0 && n_end <= n_, "PackedBf16: columns must start a panel");
+  for (int64_t begin = n_begin; begin < n_end; begin += kPanel) {
+    const int64_t width = std::min(kPanel, n_ - begin);  // of the packed panel
+    const int64_t used = std::min(width, n_end - begin);
+    at::native::cpublas::brgemm(m, used, k_, lda, panel_stride(width), ldc, accumulate, a, packed_.data() + begin * k_,
+                                c + (begin - n_begin), /*is_vnni=*/true);
+  }
+}
+
+void release_bf16_dot_products() {
+  at::native::cpublas::brgemm_release(/*is_vnni=*/true);
 }
 
 } // namespace ascendspeed::alibi_attention
