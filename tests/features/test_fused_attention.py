@@ -292,3 +292,27 @@ def test_a_thd_pack_with_attention_dropout_runs_the_kernel_s_dropout(megatron_wo
     with_dropout = module(q, k, v, None, packed_seq_params=packed)
     assert with_dropout.shape == without.shape and torch.isfinite(with_dropout).all()
     assert not torch.allclose(with_dropout, without)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+@pytest.mark.parametrize("tokens,head_dim", [(256, 64), (128, 64), (512, 32), (256, 32)])
+def test_bf16_on_the_cpu_takes_the_flash_kernel_where_amx_makes_it_the_faster(megatron_world, monkeypatch, amx,
+                                                                               tokens, head_dim):
+    """bf16 on a CPU keeps Megatron's path, except on AMX CPUs from AMX_FLASH_TOKENS(_BY_HEAD_DIM) tokens on;
+    either way the result is Megatron's function (float64 reference). The CPU's flag is what is varied."""
+    from ascendspeed.features.fused_attention import attention as fused_attention
+
+    monkeypatch.setattr(fused_attention, "cpu_has_amx_bf16", lambda: amx)
+    q, k, v = (torch.randn(tokens, 1, 2, head_dim).bfloat16() for _ in range(3))
+    grad = torch.randn(tokens, 1, 2 * head_dim).bfloat16()
+    module = attention(2, 2, head_dim, torch.bfloat16)
+    out, grads, fused_ran = run(module, q, k, v, None, grad)
+    threshold = fused_attention.AMX_FLASH_TOKENS_BY_HEAD_DIM.get(head_dim, fused_attention.AMX_FLASH_TOKENS)
+    assert fused_ran == (amx and tokens >= threshold)
+
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference(*leaves, causal(tokens, tokens), module.softmax_scale)
+    expected.backward(grad.double())
+    assert mu.relative_error(out, expected) < TOLERANCES[torch.bfloat16]
+    for actual, leaf in zip(grads, leaves):
+        assert mu.relative_error(actual, leaf.grad) < 2 * TOLERANCES[torch.bfloat16]

@@ -15,7 +15,8 @@ other than THD packs without padding, dropout that would draw a mask (training w
 kernels do not reproduce), sliding windows,
 softmax offsets, query-key layer scaling, a causal mask between different query and key lengths, and
 masks that are not boolean; and on the CPU, bf16 and fp16, where torch's flash kernel is the slower one
-(``CPU_REDUCED_PRECISION``).
+(``CPU_REDUCED_PRECISION``) except bf16 on CPUs with AMX from a few hundred tokens on
+(``AMX_FLASH_TOKENS_BY_HEAD_DIM``).
 
 A THD pack (``packed_seq_params``, Transformer Engine's format: [tokens, heads, d], sequences one after
 another) attends within each sequence, which Megatron's local path refuses: the pack's block-diagonal
@@ -81,12 +82,35 @@ def why_unfused(layer, attention_mask, attention_bias, packed_seq_params) -> Opt
 #: Dtypes in which torch's CPU flash attention (forward + backward, causal) is slower than Megatron's
 #: materialised scores: bf16 2.7x (b8 h4 s128 d32) and 1.6x (b4 h8 s256 d64) of them on a 2-vCPU AMD EPYC
 #: (AVX-512 with avx512_bf16, torch 2.13); fp32 is 0.59x and 0.80x. There Megatron's path runs, except for the
-#: packs it cannot run.
+#: packs it cannot run, and except where AMX makes the flash kernel the faster one (below).
 CPU_REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 
+#: On CPUs with AMX-BF16 (Intel Xeon from Sapphire Rapids) torch's bf16 flash kernel multiplies its blocks on
+#: AMX and is the faster one from these many tokens on (head_dim -> tokens; other head dims: AMX_FLASH_TOKENS).
+#: Forward + backward, causal, one thread, an Intel Xeon with AMX, flash / Megatron: d64 s256 0.68-0.72x, s512
+#: 0.54x; d32 s512 0.37x (s256 0.97x); d128 s256 1.04x; at 128 tokens and below flash is 1.5-3x slower.
+AMX_FLASH_TOKENS_BY_HEAD_DIM = {64: 256}
+AMX_FLASH_TOKENS = 512
 
-def _megatron_is_faster(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and query.dtype in CPU_REDUCED_PRECISION
+
+@functools.cache
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU lists AMX-BF16 (Linux's /proc/cpuinfo; False where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
+    except OSError:
+        return False
+
+
+def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
+    if query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION:
+        return False
+    if query.dtype == torch.bfloat16 and cpu_has_amx_bf16():
+        tokens = min(query.shape[0], key.shape[0])
+        return tokens < AMX_FLASH_TOKENS_BY_HEAD_DIM.get(query.shape[-1], AMX_FLASH_TOKENS)
+    return True
 
 
 def wrap_attention_forward(original):
@@ -101,7 +125,7 @@ def wrap_attention_forward(original):
             if context is not None:
                 return context
         plan = None
-        if reason is None and packed_seq_params is None and not _megatron_is_faster(query):
+        if reason is None and packed_seq_params is None and not _megatron_is_faster(query, key):
             plan = mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
         if plan is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
