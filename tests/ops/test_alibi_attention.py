@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from ascendspeed.accelerator.cpu_features import cpu_flags
 from ascendspeed.ops import alibi_attention, alibi_slopes
 from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
 
@@ -203,11 +204,6 @@ def test_every_gemm_route_matches_float64(gemm_routes, route):
         assert (lse.double() - expected_lse).abs().max() < 1e-4 * max(1.0, expected_lse.abs().max().item())
         for actual, leaf in zip((grad_q, grad_k, grad_v), leaves):
             assert relative_error(actual, leaf.grad) < 2 * tolerance, (route, kernel, q.shape)
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from /proc/cpuinfo")

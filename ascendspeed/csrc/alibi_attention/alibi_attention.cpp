@@ -225,10 +225,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
 // "AVX512, multi-threaded; bf16: bf16 dot products (oneDNN brgemm), AVX512-BF16 conversions": the
 // kernels this process runs, for benchmarks and tests.
 std::string cpu_kernel() {
-  const std::string isa = cpu_kernels().isa;
   std::string bf16 = bf16_matmul_description();
   if (bf16_dot_products()) {
-    bf16 += isa == "AVX512" && cpu_has_avx512_bf16() ? ", AVX512-BF16 conversions" : ", portable conversions";
+    bf16 += cpu_kernels().native_bf16_conversion() ? ", AVX512-BF16 conversions" : ", portable conversions";
   }
   return cpu::describe_kernels(cpu_kernels().isa) + "; bf16: " + bf16;
 }

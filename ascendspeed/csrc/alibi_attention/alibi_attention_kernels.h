@@ -10,6 +10,11 @@
 
 #include <ATen/core/Tensor.h>
 
+// Included here, before a kernels_<isa>.cpp switches instruction set, so that block_gemm.h's inline code
+// (PackedBf16's members, transpose_rows) is compiled for the baseline ISA in every translation unit and
+// any copy the linker keeps runs on any CPU (see ../common/cpu_isa_prelude.h).
+#include "block_gemm.h"
+
 namespace ascendspeed::alibi_attention {
 
 struct CpuKernels {
@@ -38,6 +43,8 @@ struct CpuKernels {
       const at::Tensor& grad_q,
       const at::Tensor& grad_k,
       const at::Tensor& grad_v);
+  // Whether these kernels round fp32 to bf16 with AVX512-BF16's instruction on this CPU (bf16 dot products).
+  bool (*native_bf16_conversion)();
   const char* isa;
 };
 

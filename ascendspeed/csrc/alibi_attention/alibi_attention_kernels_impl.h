@@ -489,23 +489,6 @@ inline void stage_rows(const c10::BFloat16* src, int64_t stride, int64_t rows, i
   }
 }
 
-// dst[d, j] = src[j, d] for j < rows, d < dim (src rows `stride` apart, dst rows ld apart).
-inline void stage_transposed(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t dim,
-                             c10::BFloat16* dst, int64_t ld) {
-  constexpr int64_t kTile = 16;
-  for (int64_t j0 = 0; j0 < rows; j0 += kTile) {
-    const int64_t j1 = std::min(rows, j0 + kTile);
-    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
-      const int64_t d1 = std::min(dim, d0 + kTile);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t d = d0; d < d1; ++d) {
-          dst[d * ld + j] = src[j * stride + d];
-        }
-      }
-    }
-  }
-}
-
 // The right-hand operand [X; X] of a split product: rows [0, rows) of X twice, each copy padded with
 // zero rows to `half` (even) rows. staging holds 2 * half * dim values.
 inline void pack_twice(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t half, int64_t dim,
@@ -518,28 +501,12 @@ inline void pack_twice(const c10::BFloat16* src, int64_t stride, int64_t rows, i
   packed.pack(staging.data(), dim, 2 * half, dim);
 }
 
-// dst[j, d] = bf16(src[d, j]) for src [dim, n] (rows n apart), dst rows `stride` apart.
-inline void store_transposed(const float* src, int64_t dim, int64_t n, c10::BFloat16* dst, int64_t stride) {
-  constexpr int64_t kTile = 16;
-  for (int64_t j0 = 0; j0 < n; j0 += kTile) {
-    const int64_t j1 = std::min(n, j0 + kTile);
-    for (int64_t d0 = 0; d0 < dim; d0 += kTile) {
-      const int64_t d1 = std::min(dim, d0 + kTile);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t d = d0; d < d1; ++d) {
-          dst[j * stride + d] = c10::BFloat16(src[d * n + j]);
-        }
-      }
-    }
-  }
-}
-
 // The left-hand operand [X^T | X^T] of a split product whose right-hand side is [hi rows; lo rows]:
 // dst[d, c * half + r] = X[r, d] for c in {0, 1}, zero for r in [rows, half).
 inline void stage_transposed_twice(const c10::BFloat16* src, int64_t stride, int64_t rows, int64_t half,
                                    int64_t dim, c10::BFloat16* dst) {
   for (int64_t copy = 0; copy < 2; ++copy) {
-    stage_transposed(src, stride, rows, dim, dst + copy * half, 2 * half);
+    transpose_rows(src, stride, rows, dim, dst + copy * half, 2 * half);
     for (int64_t d = 0; d < dim; ++d) {
       std::fill(dst + d * 2 * half + copy * half + rows, dst + d * 2 * half + (copy + 1) * half, c10::BFloat16(0.0f));
     }
@@ -732,8 +699,8 @@ void backward_bf16_products(
       }
       scalar_t* gk_head = gk_data + b * grad_k.stride(0) + h * grad_k.stride(1);
       scalar_t* gv_head = gv_data + b * grad_v.stride(0) + h * grad_v.stride(1);
-      store_transposed(gk_t.data(), dim, sk, gk_head, grad_k.stride(2));
-      store_transposed(gv_t.data(), dim, sk, gv_head, grad_v.stride(2));
+      transpose_rows(gk_t.data(), sk, dim, sk, gk_head, grad_k.stride(2));
+      transpose_rows(gv_t.data(), sk, dim, sk, gv_head, grad_v.stride(2));
     }
     release_bf16_dot_products();
   });

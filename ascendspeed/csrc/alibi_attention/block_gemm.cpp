@@ -168,12 +168,7 @@ void PackedBf16::pack_transposed(const c10::BFloat16* x, int64_t stride, int64_t
   // One panel at a time through a small tile: the transposing writes stay in L1.
   for (int64_t begin = 0; begin < n; begin += kPanel) {
     const int64_t width = std::min(kPanel, n - begin);
-    for (int64_t j = 0; j < width; ++j) {
-      const c10::BFloat16* row = x + (begin + j) * stride;
-      for (int64_t d = 0; d < x_cols; ++d) {
-        tile_[d * width + j] = row[d];
-      }
-    }
+    transpose_rows(x + begin * stride, stride, width, x_cols, tile_.data(), width);
     std::fill(tile_.begin() + x_cols * width, tile_.begin() + k_ * width, c10::BFloat16(0.0f));
     at::native::cpublas::pack(k_, width, width, panel_stride(width), at::kBFloat16, at::kBFloat16, tile_.data(),
                               packed_.data() + begin * k_);

@@ -24,6 +24,26 @@ void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t
 void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
                int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc);
 
+// dst[c, r] = dst_t(src[r, c]) for r < rows, c < cols (src rows src_ld apart, dst rows dst_ld apart), in
+// tiles of 16 x 16 so that both sides stay in L1: the transposes of operands into packing order and of
+// transposed accumulators back into rows.
+template <typename src_t, typename dst_t>
+inline void transpose_rows(const src_t* src, int64_t src_ld, int64_t rows, int64_t cols, dst_t* dst,
+                           int64_t dst_ld) {
+  constexpr int64_t kTile = 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t r1 = rows < r0 + kTile ? rows : r0 + kTile;
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t c1 = cols < c0 + kTile ? cols : c0 + kTile;
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t c = c0; c < c1; ++c) {
+          dst[c * dst_ld + r] = static_cast<dst_t>(src[r * src_ld + c]);
+        }
+      }
+    }
+  }
+}
+
 // Whether bf16 inputs multiply as bf16 (see above); the same answer for every call of a process.
 bool bf16_dot_products();
 

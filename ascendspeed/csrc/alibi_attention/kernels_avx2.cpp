@@ -9,4 +9,4 @@
 #include "../common/cpu_isa_end.h"
 #endif
 
-ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, avx2, &forward, &backward)
+ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, avx2, &forward, &backward, &native_bf16_conversion)

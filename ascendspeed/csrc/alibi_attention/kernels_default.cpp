@@ -5,4 +5,4 @@
 #include "../common/cpu_isa_default_begin.h"
 #include "alibi_attention_kernels_impl.h"
 
-ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, default, &forward, &backward)
+ASCENDSPEED_DEFINE_CPU_KERNELS(alibi_attention, default, &forward, &backward, &native_bf16_conversion)

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ascendspeed.accelerator.cpu_features import cpu_flags
 from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.ops.core_attention import MaskPlan, fused_core_attention, packed_core_attention, unsupported_by_kernel
@@ -93,14 +94,9 @@ AMX_FLASH_TOKENS_BY_HEAD_DIM = {64: 256}
 AMX_FLASH_TOKENS = 512
 
 
-@functools.cache
 def cpu_has_amx_bf16() -> bool:
-    """Whether this CPU lists AMX-BF16 (Linux's /proc/cpuinfo; False where that cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo)
-    except OSError:
-        return False
+    """Whether this CPU lists AMX-BF16 (False where its flags cannot be read)."""
+    return "amx_bf16" in cpu_flags()
 
 
 def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
