@@ -208,14 +208,16 @@ def test_every_gemm_route_matches_float64(gemm_routes, route):
 
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="reads the CPU's flags from /proc/cpuinfo")
 def test_gemm_routes_are_what_they_say_and_agree(gemm_routes):
-    """The default route multiplies bf16 as bf16 only on CPUs with bf16 dot-product instructions (and
-    there unless oneDNN cannot), converting with AVX512-BF16 where the CPU has it; MKL and at::addmm agree
-    to rounding in fp32, and bf16 products agree with the widened route well below bf16's resolution."""
+    """The default route multiplies bf16 as bf16 exactly on CPUs with bf16 dot-product instructions
+    (packed by oneDNN with AMX, interleaved by the kernel with AVX512-BF16 alone), converting with
+    AVX512-BF16 where the CPU has it; MKL and at::addmm agree to rounding in fp32, and bf16 products
+    agree with the widened route well below bf16's resolution."""
     cases, results = gemm_routes
-    kernel = results["auto"][0]
+    kernel, flags = results["auto"][0], cpu_flags()
+    assert ("bf16 dot products" in kernel) == bool(flags & {"avx512_bf16", "amx_bf16"}), kernel
     if "bf16 dot products" in kernel:
-        assert cpu_flags() & {"avx512_bf16", "amx_bf16"}, kernel
-        assert ("AVX512-BF16 conversions" in kernel) == ("avx512_bf16" in cpu_flags()), kernel
+        assert ("AVX512-BF16 conversions" in kernel) == ("avx512_bf16" in flags), kernel
+        assert ("packed by oneDNN" in kernel) == ("amx_bf16" in flags), kernel
     else:
         assert "fp32 (MKL sgemm)" in kernel, kernel
     assert "fp32 (MKL sgemm)" in results["mkl"][0] and "fp32 (at::addmm)" in results["aten"][0]

@@ -107,31 +107,6 @@ void gemm_rows(bool transpose_a, bool transpose_b, int64_t m, int64_t n, int64_t
   fortran_gemm_rows<double>(dgemm_, transpose_a, transpose_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-// oneDNN says it can pack bf16 for this CPU; one tiny product checks that it also multiplies, once per
-// process, so that a CPU it misjudges keeps the widened route instead of failing inside attention.
-bool bf16_products_work() {
-  if (!at::native::cpublas::could_pack(at::kBFloat16)) {
-    return false;
-  }
-  try {
-    constexpr int64_t k = 2, n = 16;
-    const std::vector<c10::BFloat16> a(k, c10::BFloat16(1.0f)), b(k * n, c10::BFloat16(0.5f));
-    std::vector<c10::BFloat16> packed(k * n);
-    std::vector<float> c(n, 0.0f);
-    at::native::cpublas::pack(k, n, n, n, at::kBFloat16, at::kBFloat16, b.data(), packed.data());
-    at::native::cpublas::brgemm(1, n, k, k, n, n, false, a.data(), packed.data(), c.data(), /*is_vnni=*/true);
-    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
-    return std::all_of(c.begin(), c.end(), [](float x) { return x == 1.0f; });
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
-bool bf16_dot_products() {
-  static const bool available = gemm_choice() == GemmChoice::kAuto && bf16_products_work();
-  return available;
-}
-
 bool cpu_has_avx512_bf16() {
 #if defined(__GNUC__) && defined(__x86_64__)
   static const bool supported = __builtin_cpu_supports("avx512bf16");
@@ -141,9 +116,102 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+namespace {
+
+// Who writes B in the layout the bf16 dot products read (pairs of rows interleaved). With AMX, oneDNN
+// packs (at::native::cpublas::pack; could_pack() is true). With AVX512-BF16 alone (AMD Zen 4, Intel
+// Cooper Lake) oneDNN's brgemm reads the same pairs but has no packing routine for them ("No need to
+// pack"), so they are interleaved here.
+enum class Bf16Packing { kNone, kOneDnn, kInterleaved };
+
+// dst[p, j, 0:2] = (src[2p, j], src[2p + 1, j]) for the pairs p < k / 2 and columns j < n, dst rows of
+// ld_dst pairs.
+void interleave_row_pairs(const c10::BFloat16* src, int64_t ld_src, int64_t k, int64_t n, c10::BFloat16* dst,
+                          int64_t ld_dst) {
+  for (int64_t p = 0; p < k / 2; ++p) {
+    const c10::BFloat16* even = src + 2 * p * ld_src;
+    const c10::BFloat16* odd = even + ld_src;
+    c10::BFloat16* pairs = dst + 2 * p * ld_dst;
+    for (int64_t j = 0; j < n; ++j) {
+      pairs[2 * j] = even[j];
+      pairs[2 * j + 1] = odd[j];
+    }
+  }
+}
+
+void pack_panel(Bf16Packing packing, const c10::BFloat16* b, int64_t ld, int64_t k, int64_t n, c10::BFloat16* dst,
+                int64_t ld_dst) {
+  if (packing == Bf16Packing::kOneDnn) {
+    at::native::cpublas::pack(k, n, ld, ld_dst, at::kBFloat16, at::kBFloat16, b, dst);
+  } else {
+    interleave_row_pairs(b, ld, k, n, dst, ld_dst);
+  }
+}
+
+// One small product with distinct entries (a wrong layout or a missing kernel gives a wrong answer or
+// throws), so that a CPU oneDNN misjudges keeps the widened route instead of failing inside attention.
+bool products_work(Bf16Packing packing) {
+  try {
+    constexpr int64_t m = 2, k = 4, n = 16;
+    std::vector<c10::BFloat16> a(m * k), b(k * n), packed(k * n);
+    for (int64_t i = 0; i < m * k; ++i) {
+      a[i] = c10::BFloat16(static_cast<float>(i % 5) - 2.0f);
+    }
+    for (int64_t i = 0; i < k * n; ++i) {
+      b[i] = c10::BFloat16(static_cast<float>(i % 7) - 3.0f);
+    }
+    std::vector<float> c(m * n, 0.0f);
+    pack_panel(packing, b.data(), n, k, n, packed.data(), n);
+    at::native::cpublas::brgemm(m, n, k, k, n, n, false, a.data(), packed.data(), c.data(), /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        float expected = 0.0f;
+        for (int64_t l = 0; l < k; ++l) {
+          expected += static_cast<float>(a[i * k + l]) * static_cast<float>(b[l * n + j]);
+        }
+        if (c[i * n + j] != expected) {
+          return false;
+        }
+      }
+    }
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+Bf16Packing bf16_packing() {
+  static const Bf16Packing packing = [] {
+    if (gemm_choice() != GemmChoice::kAuto) {
+      return Bf16Packing::kNone;
+    }
+    if (at::native::cpublas::could_pack(at::kBFloat16)) {
+      return products_work(Bf16Packing::kOneDnn) ? Bf16Packing::kOneDnn : Bf16Packing::kNone;
+    }
+    // Without the instructions oneDNN would emulate bf16, slower than widening.
+    if (cpu_has_avx512_bf16() && products_work(Bf16Packing::kInterleaved)) {
+      return Bf16Packing::kInterleaved;
+    }
+    return Bf16Packing::kNone;
+  }();
+  return packing;
+}
+
+} // namespace
+
+bool bf16_dot_products() {
+  return bf16_packing() != Bf16Packing::kNone;
+}
+
 std::string bf16_matmul_description() {
-  if (bf16_dot_products()) {
-    return "bf16 dot products (oneDNN brgemm)";
+  switch (bf16_packing()) {
+    case Bf16Packing::kOneDnn:
+      return "bf16 dot products (oneDNN brgemm, packed by oneDNN)";
+    case Bf16Packing::kInterleaved:
+      return "bf16 dot products (oneDNN brgemm, row pairs interleaved here)";
+    case Bf16Packing::kNone:
+      break;
   }
   return sgemm_ != nullptr && !aten_forced() ? "fp32 (MKL sgemm)" : "fp32 (at::addmm)";
 }
@@ -155,8 +223,7 @@ void PackedBf16::pack(const c10::BFloat16* b, int64_t ld, int64_t k, int64_t n) 
   packed_.resize(k * panel_stride(n));
   for (int64_t begin = 0; begin < n; begin += kPanel) {
     const int64_t width = std::min(kPanel, n - begin);
-    at::native::cpublas::pack(k, width, ld, panel_stride(width), at::kBFloat16, at::kBFloat16, b + begin,
-                              packed_.data() + begin * k);
+    pack_panel(bf16_packing(), b + begin, ld, k, width, packed_.data() + begin * k, panel_stride(width));
   }
 }
 
@@ -170,8 +237,7 @@ void PackedBf16::pack_transposed(const c10::BFloat16* x, int64_t stride, int64_t
     const int64_t width = std::min(kPanel, n - begin);
     transpose_rows(x + begin * stride, stride, width, x_cols, tile_.data(), width);
     std::fill(tile_.begin() + x_cols * width, tile_.begin() + k_ * width, c10::BFloat16(0.0f));
-    at::native::cpublas::pack(k_, width, width, panel_stride(width), at::kBFloat16, at::kBFloat16, tile_.data(),
-                              packed_.data() + begin * k_);
+    pack_panel(bf16_packing(), tile_.data(), width, k_, width, packed_.data() + begin * k_, panel_stride(width));
   }
 }
 

@@ -4,7 +4,8 @@
 //   without it;
 // * PackedBf16: bf16 x bf16 -> fp32 on CPUs with bf16 dot-product instructions (AMX, AVX512-BF16),
 //   through oneDNN's batch-reduce GEMM as torch exports it (at::native::cpublas::brgemm, the kernel
-//   torch's own CPU flash attention uses for bf16).
+//   torch's own CPU flash attention uses for bf16 with AMX), the right-hand operand packed by oneDNN
+//   where it packs (AMX) and interleaved here where it does not (AVX512-BF16 alone).
 // Compiled for the baseline ISA: the libraries pick their own kernels at run time.
 // ASCENDSPEED_ALIBI_GEMM chooses: unset or "auto" (bf16 dot products for bf16 inputs where the CPU has
 // them, MKL otherwise), "mkl" (bf16 widened to fp32 everywhere), "aten" (at::addmm, as builds without
@@ -50,8 +51,8 @@ bool bf16_dot_products();
 // Whether the CPU has AVX512-BF16 (its fp32 -> bf16 conversion instructions).
 bool cpu_has_avx512_bf16();
 
-// "bf16 dot products (oneDNN brgemm)", "fp32 (MKL sgemm)" or "fp32 (at::addmm)": how the block matmuls
-// of bf16 inputs run, for benchmarks and tests.
+// "bf16 dot products (oneDNN brgemm, ...)" (saying who packs), "fp32 (MKL sgemm)" or "fp32 (at::addmm)":
+// how the block matmuls of bf16 inputs run, for benchmarks and tests.
 std::string bf16_matmul_description();
 
 // A right-hand operand B[k, n] (k even) in the layout bf16 dot products read: pairs of rows
