@@ -20,7 +20,6 @@ connecting to a stranger until the timeout.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -31,15 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.helpers.ports import free_port
+
 
 #: Seconds the other ranks get to finish after one rank failed, before they are stopped.
 FAILURE_GRACE_S = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 #: What the forkserver imports before it forks ranks (a module whose import installs the adaptor first).
@@ -95,7 +90,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, fresh_in
     with tempfile.TemporaryDirectory() as result_dir:
         context = mp.start_processes(
             _worker,
-            args=(world_size, _free_port(), fn, args, result_dir, dict(os.environ)),
+            args=(world_size, free_port(), fn, args, result_dir, dict(os.environ)),
             nprocs=world_size,
             join=False,
             start_method="spawn" if fresh_interpreter else "forkserver",

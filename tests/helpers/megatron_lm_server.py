@@ -17,20 +17,15 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
 
+from tests.helpers.ports import free_port
+
 #: Seconds the other ranks get after one failed, before they are stopped (torchrun stops them at once;
 #: a moment lets their last lines reach the log).
 FAILURE_GRACE_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _exit_code(error: SystemExit) -> int:
@@ -84,7 +79,7 @@ def _run_rank(rank: int, request: dict, port: int) -> None:
 
 
 def _run_job(request: dict) -> dict:
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     ranks = {}
     for rank in range(request["processes"]):

@@ -2,7 +2,6 @@
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 
 from tests.helpers.compiled import with_torch_compile
 from tests.helpers.distributed import run_distributed
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,19 +29,13 @@ PROGRESS = re.compile(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 MEGATRON_DEFAULTS = ("--position-embedding-type", "learned_absolute", "--no-swiglu", "--no-overlap-grad-reduce")
 
 
 @pytest.mark.parametrize("flags", [(), MEGATRON_DEFAULTS], ids=["default_job", "megatron_defaults"])
 def test_torchrun_two_processes_train_and_report(flags):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
         "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
         "--train-iters", "30", "--log-interval", "10", "--eval-interval", "15", "--eval-seq-lengths", "64", "128",
     ]
