@@ -181,6 +181,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="a small shape: check the script, not the speed")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=DTYPES,
+                        help="bf16 only where the CPU has a bf16 GEMM (AVX-512 or AMX): torch's fallback is "
+                             "orders of magnitude slower")
     parser.add_argument("--warm-allocator", action="store_true",
                         help="keep freed memory for reuse, as caching allocators do (see bench/allocator.py)")
     args = parser.parse_args()
@@ -192,7 +195,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     models = QUICK_MODELS if args.quick else MODELS
-    rows = [measure(torch, name, shape, dtype, args.reps) for dtype in DTYPES for name, shape in models.items()]
+    rows = [measure(torch, name, shape, dtype, args.reps) for dtype in args.dtypes for name, shape in models.items()]
     result = {"benchmark": "MoE experts forward+backward: TEGroupedMLP on grouped_linear vs SequentialMLP",
               "machine": machine(torch), "threads": args.threads, "reps": args.reps,
               "warm_allocator": warm_allocator_active(), "load_before": load_before,

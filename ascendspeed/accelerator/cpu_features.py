@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 
 @functools.cache
@@ -14,3 +15,26 @@ def cpu_flags() -> frozenset[str]:
                         frozenset())
     except OSError:
         return frozenset()
+
+
+def has_fast_bf16_gemm() -> bool:
+    """Whether torch multiplies bf16 matrices on this CPU with oneDNN (which needs AVX-512; AVX512-BF16 and
+    AMX make it faster still), torch's own answer (``torch.ops.mkldnn._is_mkldnn_bf16_supported``). Elsewhere
+    torch's bf16 matmul is a scalar fallback loop."""
+    import torch
+
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def slow_bf16_warning(flag: str = "--bf16") -> Optional[str]:
+    """What a bf16 run on this CPU should be told before it starts, or None where bf16 GEMMs are fast.
+
+    Without AVX-512 every bf16 linear layer runs torch's scalar fallback GEMM: on a 2-vCPU AMD EPYC (Zen 3,
+    AVX2) a linear layer's products took 7x to 158x the fp32 time (``bench/bf16_gemm.py``,
+    ``bench/results/bf16_gemm_avx2.json``)."""
+    if has_fast_bf16_gemm():
+        return None
+    return (f"ascendspeed: {flag} on a CPU without AVX-512: torch has no fast bf16 matrix multiply here (oneDNN's "
+            f"needs AVX-512), so every bf16 linear layer runs torch's scalar fallback GEMM, tens of times slower "
+            f"than fp32 (bench/bf16_gemm.py measures it on this machine). Training is correct, only slow; leave "
+            f"out {flag} to train in fp32.")

@@ -26,9 +26,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 
 import torch
 
+from ascendspeed.accelerator.cpu_features import slow_bf16_warning
 from ascendspeed.patching import EXISTS, replace, wrap
 
 #: Megatron-LM flags whose defaults need a GPU, with the CPU-capable default and the flag that selects it.
@@ -102,7 +104,11 @@ def _served_otherwise(dest: str, value) -> bool:
 
 
 def check_cpu_arguments(args) -> None:
-    """Reject explicit flags the CPU cannot honour, naming the flag to use instead."""
+    """Reject explicit flags the CPU cannot honour, naming the flag to use instead; say (rank 0) where a flag
+    works but runs slowly on this CPU."""
+    warning = slow_bf16_warning() if getattr(args, "bf16", False) else None
+    if warning is not None and getattr(args, "rank", 0) == 0:
+        print(warning, file=sys.stderr, flush=True)
     for dest, refused, flag, why, fix in CPU_MOE_REFUSALS:
         if getattr(args, dest, None) == refused:
             raise CpuArgumentError(

@@ -14,7 +14,11 @@ Arguments are checked in one place, the C++ ``check_swiglu`` / ``check_swiglu_ba
 CPU and the Meta kernel call; the CUDA and NPU kernels here run the Meta kernel on meta stand-ins of
 their arguments first, and take the output's layout from it.
 
-Autograd saves only ``x``: the backward operator ``ascendspeed::swiglu_backward(grad_y, x, dim)``
+``torch.ops.ascendspeed.weighted_swiglu(x, weights)`` is megatron-core's expert SwiGLU scaled by the
+routing probabilities, ``silu(a) * b * weights`` over the last dimension with one weight per row, in the
+same single pass; its backward returns the gradients of ``x`` and ``weights`` from one pass too.
+
+Autograd of ``swiglu`` saves only ``x``: the backward operator ``ascendspeed::swiglu_backward(grad_y, x, dim)``
 recomputes the sigmoid instead of keeping it (Megatron's eager composition keeps half an input more).
 The output is laid out in the memory order of ``x`` when ``x`` is dense (transposed or channels-last
 inputs are not copied); other non-contiguous inputs are copied once.
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from ascendspeed.ops._autograd import register_autograd
 from ascendspeed.ops._extension import load_extension
 
-__all__ = ["swiglu", "swiglu_reference", "NPU_KERNELS"]
+__all__ = ["swiglu", "swiglu_reference", "weighted_swiglu", "weighted_swiglu_reference", "NPU_KERNELS"]
 
 load_extension()  # defines the two operators and their CPU kernels
 
@@ -46,6 +50,22 @@ def swiglu_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Megatron's composition, which the fused operator replaces (and must match)."""
     a, b = torch.chunk(x, 2, dim)
     return F.silu(a) * b
+
+
+def weighted_swiglu(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b * weights`` for ``a, b = x.chunk(2, -1)``: an expert's SwiGLU scaled by its tokens'
+    routing probabilities (``weights``, shape ``x.shape[:-1] + (1,)``) in one pass, computed in fp32 (fp64
+    for fp64) and rounded once to the dtype of ``x``. Differentiable in both, saving ``x`` and ``weights``;
+    the gradient of ``weights`` is summed in fp32 and returned in the dtype of ``weights``.
+    """
+    return torch.ops.ascendspeed.weighted_swiglu(x, weights)
+
+
+def weighted_swiglu_reference(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The math of :func:`weighted_swiglu` as a composition: SwiGLU and scale in the promoted math type."""
+    opmath = torch.promote_types(x.dtype, torch.float32)
+    a, b = (t.to(opmath) for t in torch.chunk(x, 2, -1))
+    return (F.silu(a) * b * weights.to(opmath)).to(x.dtype)
 
 
 # -- autograd ---------------------------------------------------------------------------------------------
@@ -85,8 +105,45 @@ def _double_backward(ctx, grad_grad_x: torch.Tensor):
     return grad_g.to(grad_y.dtype), torch.cat((grad_a, grad_b), dim).to(x.dtype), None
 
 
+def _setup_weighted_context(ctx, inputs, output) -> None:
+    x, weights = inputs
+    ctx.save_for_backward(x, weights)
+
+
+def _weighted_backward(ctx, grad_y: torch.Tensor):
+    x, weights = ctx.saved_tensors
+    return torch.ops.ascendspeed.weighted_swiglu_backward(grad_y, x, weights)
+
+
+def _setup_weighted_backward_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_double_backward(ctx, grad_grad_x: torch.Tensor, grad_grad_weights: torch.Tensor):
+    """Gradients of ``grad_x = w * [g * b * ds(a) | g * silu(a)]`` and ``grad_w = sum(g * silu(a) * b)``
+    (ds = silu'), in differentiable torch ops."""
+    grad_y, x, weights = ctx.saved_tensors
+    opmath = torch.promote_types(x.dtype, torch.float32)
+    a, b = (t.to(opmath) for t in torch.chunk(x, 2, -1))
+    u, v = (t.to(opmath) for t in torch.chunk(grad_grad_x, 2, -1))
+    q = grad_grad_weights.to(opmath)
+    w = weights.to(opmath)
+    g = grad_y.to(opmath)
+    s = torch.sigmoid(a)
+    silu = a * s
+    dsilu = s + silu * (1 - s)
+    ddsilu = s * (1 - s) * (2 + a * (1 - 2 * s))
+    grad_g = w * (u * b * dsilu + v * silu) + q * silu * b
+    grad_a = g * (w * (u * b * ddsilu + v * dsilu) + q * b * dsilu)
+    grad_b = g * (w * u * dsilu + q * silu)
+    grad_w = (g * (u * b * dsilu + v * silu)).sum(-1, keepdim=True)
+    return (grad_g.to(grad_y.dtype), torch.cat((grad_a, grad_b), -1).to(x.dtype), grad_w.to(weights.dtype))
+
+
 register_autograd("swiglu", _backward, _setup_context)
 register_autograd("swiglu_backward", _double_backward, _setup_backward_context)
+register_autograd("weighted_swiglu", _weighted_backward, _setup_weighted_context)
+register_autograd("weighted_swiglu_backward", _weighted_double_backward, _setup_weighted_backward_context)
 
 
 # -- kernels of other devices -----------------------------------------------------------------------------
@@ -128,8 +185,34 @@ def _reference_swiglu_backward_kernel(grad_y: torch.Tensor, x: torch.Tensor, dim
     return _into_layout(layout, _composite_backward(grad_y, x, dim))
 
 
+def _composite_weighted_backward(grad_y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor):
+    opmath = torch.promote_types(x.dtype, torch.float32)
+    a, b = (t.to(opmath) for t in torch.chunk(x, 2, -1))
+    g = grad_y.to(opmath)
+    w = weights.to(opmath)
+    s = torch.sigmoid(a)
+    silu = a * s
+    grad_x = torch.cat((g * w * b * (s + silu * (1 - s)), g * w * silu), -1)
+    return grad_x.to(x.dtype), (g * silu * b).sum(-1, keepdim=True).to(weights.dtype)
+
+
+def _reference_weighted_swiglu_kernel(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    torch.ops.ascendspeed.weighted_swiglu(_meta(x), _meta(weights))
+    return weighted_swiglu_reference(x, weights).contiguous()
+
+
+def _reference_weighted_swiglu_backward_kernel(grad_y: torch.Tensor, x: torch.Tensor, weights: torch.Tensor):
+    torch.ops.ascendspeed.weighted_swiglu_backward(_meta(grad_y), _meta(x), _meta(weights))
+    grad_x, grad_weights = _composite_weighted_backward(grad_y, x, weights)
+    return grad_x.contiguous(), grad_weights.contiguous()
+
+
 torch.library.register_kernel("ascendspeed::swiglu", "cuda", _reference_swiglu_kernel)
 torch.library.register_kernel("ascendspeed::swiglu_backward", "cuda", _reference_swiglu_backward_kernel)
+torch.library.register_kernel("ascendspeed::weighted_swiglu", "cuda", _reference_weighted_swiglu_kernel)
+torch.library.register_kernel(
+    "ascendspeed::weighted_swiglu_backward", "cuda", _reference_weighted_swiglu_backward_kernel
+)
 
 
 def _register_npu_kernels() -> bool:
@@ -150,6 +233,11 @@ def _register_npu_kernels() -> bool:
 
     torch.library.register_kernel("ascendspeed::swiglu", "npu", npu_swiglu)
     torch.library.register_kernel("ascendspeed::swiglu_backward", "npu", npu_swiglu_backward)
+    # torch_npu has no weighted SwiGLU kernel: the composition runs as NPU operators.
+    torch.library.register_kernel("ascendspeed::weighted_swiglu", "npu", _reference_weighted_swiglu_kernel)
+    torch.library.register_kernel(
+        "ascendspeed::weighted_swiglu_backward", "npu", _reference_weighted_swiglu_backward_kernel
+    )
     return True
 
 

@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import math
 import os
+import sys
 from typing import Optional, Sequence
 
 from ascendspeed.features import FeatureArgumentError, add_feature_arguments, all_features, validate_features
@@ -496,6 +497,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
                device: Optional[str] = None) -> argparse.Namespace:
     """Parse, derive and validate (feature checks included); usage errors exit like argparse's."""
     from ascendspeed.accelerator import select_device
+    from ascendspeed.accelerator.cpu_features import slow_bf16_warning
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -506,4 +508,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] =
         validate_features(args)
     except (FeatureArgumentError, ValueError) as error:
         parser.error(str(error))
+    warning = slow_bf16_warning() if args.bf16 and args.device == "cpu" else None
+    if warning is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(warning, file=sys.stderr, flush=True)
     return args

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ascendspeed.features.context_parallel import layout
+from ascendspeed.features.context_parallel.block_kernels import BlockwiseKernels, FlashBlockKernels, causal_sub_blocks
 from ascendspeed.features.context_parallel.blockwise import ScoreRule, block_forward, merge_block_
 from ascendspeed.features.context_parallel.dropout import PositionalDropout
 from ascendspeed.features.context_parallel.hybrid import build_hybrid_groups, hybrid_attention
@@ -264,6 +265,66 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):
     for actual, reference in zip([out, *grads], [expected, *expected_grads]):
         error = (actual.double() - reference).norm() / reference.norm()
         assert error < tolerance
+
+
+def test_causal_sub_blocks_cover_exactly_the_visible_pairs():
+    """Cut where positions jump, trimmed to what is visible: every (query, key) pair with key <= query exactly
+    once, each piece expressible by the flash kernel (query row i at q_offset + i, keys from 0)."""
+    for cp in (1, 2, 3, 4):
+        positions = [layout.positions_on_rank(24, r, cp) for r in range(cp)]
+        for q_pos in positions:
+            for k_pos in positions:
+                pieces = torch.zeros(q_pos.numel(), k_pos.numel(), dtype=torch.int64)
+                seen = torch.zeros_like(pieces)
+                for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+                    assert q_offset >= 0
+                    q_run, k_run = q_pos[rows], k_pos[cols]
+                    assert torch.equal(q_run, q_run[0] + torch.arange(q_run.numel()))
+                    assert torch.equal(k_run, k_run[0] + torch.arange(k_run.numel()))
+                    assert int(q_run[0] - k_run[0]) == q_offset and int(k_run[-1]) <= int(q_run[-1])
+                    pieces[rows, cols] += 1
+                    seen[rows, cols] += (k_run[None, :] <= q_run[:, None]).long()  # the kernel's causal mask
+                assert pieces.max() <= 1
+                assert torch.equal(seen, (k_pos[None, :] <= q_pos[:, None]).long())
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("with_alibi", [False, True])
+def test_flash_blocks_equal_blockwise_blocks(dtype, tolerance, with_alibi):
+    """A ring block of the balanced layout (two chunks per rank) through the flash kernel equals the blockwise
+    code, forward (output, log-sum-exp) and backward (given the final output and log-sum-exp of the rows)."""
+    generator = torch.Generator().manual_seed(11)
+    q_pos, k_pos = layout.positions_on_rank(40, 0, 2), layout.positions_on_rank(40, 1, 2)
+    q, grad = (torch.randn(2, 3, q_pos.numel(), 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 3, k_pos.numel(), 16, generator=generator, dtype=torch.float64) for _ in range(2))
+    q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
+    rule = ScoreRule(scale=0.3, causal=True, slopes=alibi_slopes(3) if with_alibi else None)
+    for own_keys in (False, True):
+        keys = (q_pos, q, q) if own_keys else (k_pos, k, v)
+        expected = BlockwiseKernels.forward(q, keys[1], keys[2], q_pos, keys[0], rule)
+        actual = FlashBlockKernels.forward(q, keys[1], keys[2], q_pos, keys[0], rule)
+        out, lse = expected
+        for got, want in zip(actual, expected):
+            assert got.dtype == want.dtype
+            finite = torch.isfinite(want)
+            assert torch.equal(finite, torch.isfinite(got))
+            assert (got[finite] - want[finite]).abs().max() <= tolerance * (1 + want[finite].abs().max())
+        final_out = out.to(dtype)
+        delta = (grad.to(out.dtype) * final_out.to(out.dtype)).sum(-1)
+        expected_grads = BlockwiseKernels.backward(q, keys[1], keys[2], grad, final_out, lse, delta, q_pos, keys[0],
+                                                   rule)
+        grads = FlashBlockKernels.backward(q, keys[1], keys[2], grad, final_out, lse, delta, q_pos, keys[0], rule)
+        for got, want in zip(grads, expected_grads):
+            assert got.dtype == want.dtype and (got - want).abs().max() <= tolerance * (1 + want.abs().max())
+
+
+def test_ring_on_cpu_runs_the_flash_kernel_and_dropout_the_blockwise_code():
+    q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
+    for dropout, flash_calls in ((None, 2), (PositionalDropout.for_heads(0.2, seed=1, heads=2), 0)):
+        with torch.profiler.profile() as profile:
+            ring_attention(q, k, v, [torch.arange(12)], slopes=alibi_slopes(2), dropout=dropout).sum().backward()
+        names = [event.key for event in profile.key_averages()]
+        assert sum(name.startswith("ascendspeed::alibi_flash_attention") for name in names) == flash_calls, names
 
 
 def test_positional_dropout_drops_p_of_the_entries_by_position_alone():

@@ -19,6 +19,7 @@ from ascendspeed.features.context_parallel import layout
 from ascendspeed.features.context_parallel.block_kernels import (
     NPU_SOFTMAX_STATS_WIDTH,
     BlockwiseKernels,
+    FlashBlockKernels,
     FusedAttentionKernels,
     alibi_pse,
     hidden_keys,
@@ -156,9 +157,10 @@ def test_hidden_entries_get_no_alibi():
     assert pse[..., hidden].eq(0).all() and pse[..., ~hidden].le(0).all()
 
 
-def test_cpu_tensors_use_the_blockwise_code():
-    assert kernels_for(torch.zeros(1, 1, 2, 4)) is BlockwiseKernels
-    assert kernels_for(torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)) is BlockwiseKernels
+def test_cpu_tensors_use_the_flash_kernel_and_dropout_the_blockwise_code():
+    assert kernels_for(torch.zeros(1, 1, 2, 4)) is FlashBlockKernels
+    assert kernels_for(torch.zeros(1, 1, 2, 4, dtype=torch.bfloat16)) is FlashBlockKernels
+    assert kernels_for(torch.zeros(1, 1, 2, 4), with_dropout=True) is BlockwiseKernels
 
 
 @pytest.mark.parametrize("causal", [True, False])

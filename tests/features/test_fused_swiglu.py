@@ -28,6 +28,7 @@ from ascendspeed.patching import MANAGER
 ORIGINAL_BIAS_SWIGLU_IMPL = fused_bias_swiglu.bias_swiglu_impl
 ORIGINAL_WEIGHTED_BIAS_SWIGLU_IMPL = fused_bias_swiglu.weighted_bias_swiglu_impl
 FUSED_BACKWARD_NODE = "GeneratedBackwardFor_ascendspeed_swiglu_defaultBackward"
+WEIGHTED_BACKWARD_NODE = "GeneratedBackwardFor_ascendspeed_weighted_swiglu_defaultBackward"
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +170,9 @@ def _expert_reference(module, hidden, scale, grad):
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("fusion", [True, False], ids=["bias-activation-fusion", "unfused-glu"])
 def test_expert_mlp_with_routing_probabilities_equals_the_float64_reference(megatron_world, fusion, bias):
-    """An expert MLP called with its tokens' routing probabilities (SequentialMLP's call) runs the fused
-    operator on every path, with and without a bias, and equals the float64 formula; the probabilities get
-    their gradient (the router learns through it)."""
+    """An expert MLP called with its tokens' routing probabilities (SequentialMLP's call) runs a fused
+    operator on every path (without a bias the weighted one: SwiGLU and probability scale in one pass), and
+    equals the float64 formula; the probabilities get their gradient (the router learns through it)."""
     enable_features(swiglu=True, use_fused_swiglu=True, num_experts=4)
     try:
         module = build_mlp(bias_activation_fusion=fusion, add_bias_linear=bias, is_expert=True)
@@ -180,7 +181,8 @@ def test_expert_mlp_with_routing_probabilities_equals_the_float64_reference(mega
         output, output_bias = module(hidden, scale)
         assert output_bias is None  # an expert adds its own bias times the probabilities
         grad = torch.randn_like(output)
-        fused = FUSED_BACKWARD_NODE in backward_nodes(output)
+        # with a bias the moe feature scales after fc2 (ascendspeed/features/moe/mlp.py): the plain operator
+        fused = (FUSED_BACKWARD_NODE if bias else WEIGHTED_BACKWARD_NODE) in backward_nodes(output)
         output.backward(grad)
     finally:
         disable_features()

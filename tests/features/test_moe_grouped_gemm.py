@@ -180,7 +180,7 @@ def _results():
 @pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
 def test_grouped_experts_equal_sequential_experts(case):
     activation = CASES[case][-1]
-    expected_operators = ["grouped_linear"] + (["swiglu"] if activation == "fused-swiglu" else [])
+    expected_operators = ["grouped_linear"] + (["weighted_swiglu"] if activation == "fused-swiglu" else [])
     for rank, result in enumerate(_results()[case]):
         assert result["experts"] == "TEGroupedMLP"
         assert result["operators"] == expected_operators, f"rank {rank}: {result['operators']}"

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.megatron_lm
 
 #: Functions only an enabled feature reaches, counted by the launcher (``COUNT_CALLS``).
 SWIGLU_OP = "ascendspeed.ops.swiglu:swiglu"
+#: The experts' SwiGLU, scaled by the routing probabilities in the same operator.
+WEIGHTED_SWIGLU_OP = "ascendspeed.ops.swiglu:weighted_swiglu"
 ALIBI_OP = "ascendspeed.ops.alibi:alibi_bias_"
 ASYNC_DDP_HOOK = "ascendspeed.features.async_ddp.bucket_groups:register_grad_ready"
 REUSE_SPLIT = "ascendspeed.ops.bf16_split:bf16_split_"
@@ -635,10 +637,12 @@ def test_moe_grouped_gemm_expert_parallel_two_processes(launcher):
     flags = [*ALLTOALL_EP2, "--moe-grouped-gemm", "--transformer-impl", "transformer_engine",
              "--no-bias-dropout-fusion", "--swiglu", "--use-fused-swiglu", "--moe-permute-fusion"]
     _, calls, _ = _checked_run(launcher, 2, flags, "fused_swiglu, moe, moe_permute_fusion",
-                               [GROUPED_LINEAR_OP, SWIGLU_OP])
+                               [GROUPED_LINEAR_OP, WEIGHTED_SWIGLU_OP])
     for rank in range(2):
-        # per MoE layer forward: one grouped linear per expert linear (2), one SwiGLU for all local experts
-        assert calls[rank, SWIGLU_OP] > 0 and calls[rank, GROUPED_LINEAR_OP] == 2 * calls[rank, SWIGLU_OP], calls
+        # per MoE layer forward: one grouped linear per expert linear (2), one weighted SwiGLU for all local
+        # experts
+        swiglus = calls[rank, WEIGHTED_SWIGLU_OP]
+        assert swiglus > 0 and calls[rank, GROUPED_LINEAR_OP] == 2 * swiglus, calls
 
 
 def test_hybrid_moe_layers(launcher):
@@ -695,10 +699,22 @@ def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_argument
         megatron_lm_arguments.validate_args(args, {})
 
 
+def test_bf16_on_a_cpu_without_a_bf16_gemm_is_told_in_validate_args(megatron_lm_arguments, monkeypatch, capsys):
+    """Megatron-LM with --bf16 on a CPU whose torch has no bf16 GEMM (no AVX-512) hears so before training."""
+    from ascendspeed.accelerator.cpu_features import has_fast_bf16_gemm
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--bf16"])
+    args = megatron_lm_arguments.parse_args()
+    megatron_lm_arguments.validate_args(args, {})
+    told = "--bf16 on a CPU without AVX-512" in capsys.readouterr().err
+    assert told == (not has_fast_bf16_gemm())
+
+
 def test_fused_swiglu_reaches_the_experts(launcher):
     """--swiglu --use-fused-swiglu with MoE (before: refused, as the experts kept Megatron's SwiGLU): every
     expert's activation, scaled by its tokens' routing probabilities, runs the fused operator on both ranks;
     expert parallel 2, alltoall."""
     flags = [*ALLTOALL_EP2, "--swiglu", "--use-fused-swiglu"]  # Megatron's default bias on the experts
+    # biased experts scale after fc2 (the moe feature), so they run the plain operator
     _, calls, _ = _checked_run(launcher, 2, flags, "fused_swiglu, moe", [SWIGLU_OP])
     assert all(n > 0 for n in calls.values()), calls

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from ascendspeed.ops import alibi_attention, alibi_slopes, rms_norm, rotary_embedding, swiglu
+from ascendspeed.ops import alibi_attention, alibi_slopes, rms_norm, rotary_embedding, swiglu, weighted_swiglu
 from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
 from ascendspeed.ops.rms_norm import rms_norm_reference
 from ascendspeed.ops.rotary import rotary_embedding_reference
@@ -58,6 +58,10 @@ CASES = {
          lambda dtype: [torch.randn(4, 10, dtype=F64).to(dtype)]),
         (lambda x: swiglu(x, 0), lambda x: swiglu_reference(x.to(F64), 0),
          lambda dtype: [torch.randn(6, 3, dtype=F64).to(dtype)]),
+    ],
+    "weighted_swiglu": [
+        (weighted_swiglu, lambda x, w: torch.nn.functional.silu(x.to(F64)[:, :5]) * x.to(F64)[:, 5:] * w.to(F64),
+         lambda dtype: [torch.randn(4, 10, dtype=F64).to(dtype), torch.rand(4, 1, dtype=F64).to(dtype)]),
     ],
     "rotary_embedding": [
         (lambda t: rotary_embedding(t, FREQS), lambda t: rotary_embedding_reference(t.to(F64), FREQS.to(F64)),
@@ -241,6 +245,7 @@ EMPTY = [
     ("rms_norm batch 0", lambda: [torch.randn(0, 8), torch.randn(8)], lambda x, w: rms_norm(x, w)),
     ("rms_norm rows 0", lambda: [torch.randn(2, 0, 8), torch.randn(8)], lambda x, w: rms_norm(x, w)),
     ("swiglu rows 0", lambda: [torch.randn(0, 8)], swiglu),
+    ("weighted_swiglu rows 0", lambda: [torch.randn(0, 8), torch.rand(0, 1)], weighted_swiglu),
     ("rotary seq 0", lambda: [torch.randn(0, 2, 3, 8)], lambda t: rotary_embedding(t, torch.randn(0, 1, 1, 8))),
     ("rotary heads 0", lambda: [torch.randn(4, 2, 0, 8)], lambda t: rotary_embedding(t, torch.randn(4, 1, 1, 8))),
     ("attention batch 0", lambda: _attention_inputs(0, 2, 3, 3, 8, torch.float32),

@@ -12,12 +12,15 @@ import torch
 
 from tests.helpers.isa import check_under_isa
 
-from ascendspeed.ops import swiglu
+from ascendspeed.ops import swiglu, weighted_swiglu
 from ascendspeed.ops.swiglu import (
     NPU_KERNELS,
     _reference_swiglu_backward_kernel,
     _reference_swiglu_kernel,
+    _reference_weighted_swiglu_backward_kernel,
+    _reference_weighted_swiglu_kernel,
     swiglu_reference,
+    weighted_swiglu_reference,
 )
 
 pytestmark = pytest.mark.megatron_independent  # one release covers it: .ci/run runs it on the newest only
@@ -284,7 +287,8 @@ def test_empty_inputs(shape, dim):
 
 def test_device_kernels_registered():
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
-    for op in ("ascendspeed::swiglu", "ascendspeed::swiglu_backward"):
+    for op in ("ascendspeed::swiglu", "ascendspeed::swiglu_backward", "ascendspeed::weighted_swiglu",
+               "ascendspeed::weighted_swiglu_backward"):
         assert has_kernel(op, "CPU") and has_kernel(op, "CUDA")
         assert has_kernel(op, "PrivateUse1") == NPU_KERNELS
 
@@ -295,11 +299,198 @@ def test_kernels_are_multi_threaded():
     assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
 
 
+# -- weighted_swiglu: the experts' SwiGLU scaled by routing probabilities -----------------------------------
+# (x shape, weights dtype or None for the dtype of x); rows past the parallel grain, long and short rows.
+WEIGHTED_SHAPES = [
+    ((1, 2), None),
+    ((7, 10), torch.float32),
+    ((5, 3, 8), None),
+    ((64, 2 * 257), torch.float32),
+    ((3, 2 * 20001), torch.float32),
+    ((4000, 2 * 24), torch.float32),
+    ((9, 2 * 33), torch.float64),
+]
+
+
+def weighted_reference(x, weights, grad_y=None):
+    """Float64 forward, or backward given grad_y, as in ``reference``; the backward also returns the
+    weights' gradient and the sum of the magnitudes of its terms."""
+    a, b = torch.chunk(x.double(), 2, -1)
+    w = weights.double()
+    tiny = torch.finfo(torch.promote_types(x.dtype, torch.float32)).tiny
+    s = torch.sigmoid(a)
+    silu = a * s
+    if grad_y is None:
+        y = silu * b * w
+        return y, y.abs(), tiny * (a * b * w).abs()
+    g = grad_y.double()
+    gw = g * w
+    grad_x = torch.cat((gw * b * (s + silu * (1 - s)), gw * silu), -1)
+    magnitude = torch.cat(((gw * b).abs() * (s + silu.abs() * (1 - s)), (gw * silu).abs()), -1)
+    slack = tiny * torch.cat(((gw * b).abs() * (1 + a.abs()), (gw * a).abs()), -1)
+    terms = g * silu * b
+    return (grad_x, magnitude, slack), (terms.sum(-1, keepdim=True), terms.abs().sum(-1, keepdim=True))
+
+
+def check_weighted(x, weights, grad_y=None):
+    leaf, w = x.detach().requires_grad_(), weights.detach().requires_grad_()
+    y = weighted_swiglu(leaf, w)
+    expected, magnitude, slack = weighted_reference(x, weights)
+    what = f"{tuple(x.shape)} {x.dtype} weights {weights.dtype}"
+    assert_matches(y, expected, magnitude, slack, x.dtype, f"weighted forward {what}")
+    if grad_y is None:
+        grad_y = draw(y.shape, x.dtype, 1.0)
+    y.backward(grad_y)
+    (expected, magnitude, slack), (grad_w, terms) = weighted_reference(x, weights, grad_y)
+    assert_matches(leaf.grad, expected, magnitude, slack, x.dtype, f"weighted backward x {what}")
+    # one rounding to the dtype of weights, plus an fp32 sum of len terms
+    tolerance = HALF_ULP[weights.dtype] * 1.01 * grad_w.abs() + (x.shape[-1] + 64) * FP32_EPS * terms + 1e-30
+    assert w.grad.dtype == weights.dtype and w.grad.shape == weights.shape
+    error = (w.grad.double() - grad_w).abs()
+    assert (error <= tolerance).all(), f"weighted backward weights {what}: {(error - tolerance).max():.3g} over"
+
+
+def draw_weights(x_shape, dtype):
+    return torch.rand(*x_shape[:-1], 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+@pytest.mark.parametrize("shape, weights_dtype", WEIGHTED_SHAPES, ids=str)
+def test_weighted_matches_the_float64_reference(shape, weights_dtype, dtype):
+    if weights_dtype is torch.float64 and dtype is not torch.float64:
+        weights_dtype = torch.float32
+    check_weighted(draw(shape, dtype), draw_weights(shape, weights_dtype or dtype))
+
+
+def test_weighted_non_contiguous_inputs_and_large_magnitudes():
+    x = draw((8, 2 * 40), torch.bfloat16)[:, ::2]  # not dense: copied once
+    check_weighted(x, draw_weights(x.shape, torch.float32))
+    x = torch.empty(6, 2 * 129).uniform_(-30, 30)
+    x[0, :4] = torch.tensor([1e4, -1e4, 88.8, -104.0])
+    weights = torch.rand(1, 6).t()  # a transposed column
+    check_weighted(x, weights, draw((6, 129), torch.float32, 1.0).t().contiguous().t())
+
+
+def test_weighted_rows_split_over_many_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(5)
+    try:
+        for shape in [(7, 2 * 30011), (3001, 2 * 16)]:
+            check_weighted(draw(shape, torch.float32), draw_weights(shape, torch.float32))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_weighted_gradient_of_the_weights_does_not_depend_on_the_thread_count():
+    x, weights = draw((257, 2 * 300), torch.bfloat16), draw_weights((257, 2 * 300), torch.float32)
+    grad_y = draw((257, 300), torch.bfloat16, 1.0)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(torch.ops.ascendspeed.weighted_swiglu_backward(grad_y, x, weights))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_weighted_equals_swiglu_times_weights_in_fp32():
+    """Megatron's composition (``swiglu(x) * weights``) in fp32, where rounding order barely matters."""
+    x = torch.randn(40, 64, requires_grad=True)
+    w = torch.rand(40, 1, requires_grad=True)
+    x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y, expected = weighted_swiglu(x, w), swiglu_reference(x_ref) * w_ref
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-7)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_weighted_python_kernels_match_the_cpu_kernel():
+    """The CUDA / NPU path (the composition) agrees with the float64 reference and the C++ kernel."""
+    x, weights = draw((9, 12), torch.bfloat16), draw_weights((9, 12), torch.float32)
+    y = _reference_weighted_swiglu_kernel(x, weights)
+    expected, magnitude, slack = weighted_reference(x, weights)
+    assert_matches(y, expected, magnitude, slack, x.dtype, "reference kernel forward")
+    grad_y = draw(y.shape, x.dtype, 1.0)
+    grad_x, grad_w = _reference_weighted_swiglu_backward_kernel(grad_y, x, weights)
+    (expected, magnitude, slack), (expected_w, terms) = weighted_reference(x, weights, grad_y)
+    assert_matches(grad_x, expected, magnitude, slack, x.dtype, "reference kernel backward")
+    torch.testing.assert_close(grad_w.double(), expected_w, rtol=1e-5, atol=1e-6)
+    cpu_x, cpu_w = torch.ops.ascendspeed.weighted_swiglu_backward(grad_y, x, weights)
+    assert cpu_x.shape == grad_x.shape and cpu_w.shape == grad_w.shape and cpu_w.dtype == grad_w.dtype
+
+
+def test_weighted_gradcheck_and_gradgradcheck_float64():
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(5, 1, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(weighted_swiglu, (x, w))
+    assert torch.autograd.gradgradcheck(weighted_swiglu, (x, w))
+
+
+def test_weighted_opcheck():
+    x, w = torch.randn(6, 8, requires_grad=True), torch.rand(6, 1, requires_grad=True)
+    torch.library.opcheck(torch.ops.ascendspeed.weighted_swiglu.default, (x, w))
+    torch.library.opcheck(torch.ops.ascendspeed.weighted_swiglu.default,
+                          (torch.randn(2, 3, 8, dtype=torch.bfloat16), torch.rand(2, 3, 1)))
+    g = torch.randn(6, 4)
+    torch.library.opcheck(torch.ops.ascendspeed.weighted_swiglu_backward.default, (g, x.detach(), w.detach()))
+
+
+def test_weighted_torch_compile_fullgraph():
+    def expert(x, w1, p):
+        return weighted_swiglu(x @ w1, p).sum(dim=0)
+
+    compiled = torch.compile(expert, fullgraph=True)
+    x, w1, p = torch.randn(7, 12), torch.randn(12, 8), torch.rand(7, 1)
+    leaves = [[t.clone().requires_grad_() for t in (x, w1, p)] for _ in range(2)]
+    out, expected = compiled(*leaves[0]), expert(*leaves[1])
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for got, want in zip(*leaves):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_weighted_bad_inputs_name_the_argument(device):
+    x = torch.randn(4, 6, device=device)
+    with pytest.raises(ValueError, match=r"weights must have shape x.shape\[:-1\] \+ \(1,\) = \[4, 1\].*got \[4\]"):
+        weighted_swiglu(x, torch.rand(4, device=device))
+    with pytest.raises(ValueError, match=r"weights must have shape .*got \[2, 1\]"):
+        weighted_swiglu(x, torch.rand(2, 1, device=device))
+    with pytest.raises(TypeError, match="weights must be float32, bfloat16, float16 or float64, got .*(Long|int64)"):
+        weighted_swiglu(x, torch.ones(4, 1, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match=r"x.size\(dim\) must be even"):
+        weighted_swiglu(torch.randn(4, 5, device=device), torch.rand(4, 1, device=device))
+    with pytest.raises(ValueError, match="x must have at least one dimension"):
+        weighted_swiglu(torch.tensor(1.0, device=device), torch.rand(1, device=device))
+    with pytest.raises(ValueError, match="grad_y must have the shape of swiglu"):
+        torch.ops.ascendspeed.weighted_swiglu_backward(torch.randn(4, 6, device=device), x,
+                                                       torch.rand(4, 1, device=device))
+    if device == "cpu":
+        with pytest.raises(ValueError, match="weights must be on the device of x"):
+            weighted_swiglu(x, torch.rand(4, 1, device="meta"))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (2, 0, 4)])
+def test_weighted_empty_inputs(shape):
+    x = torch.randn(shape, requires_grad=True)
+    w = torch.rand(*shape[:-1], 1, requires_grad=True)
+    y = weighted_swiglu(x, w)
+    assert y.shape == (*shape[:-1], shape[-1] // 2)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape and not w.grad.abs().sum()
+
+
 ISA_CHECK = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from ops.test_swiglu import DTYPES, check_forward_backward, draw
+    from ops.test_swiglu import DTYPES, check_forward_backward, check_weighted, draw, draw_weights
     isa = torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0]
     if isa != {isa!r}:
         print("unsupported", isa)
@@ -307,6 +498,9 @@ ISA_CHECK = textwrap.dedent(
     for dtype in DTYPES + [torch.float64]:
         for shape, dim in [((3, 2 * 1001), -1), ((5, 6, 7), 1), ((4, 6, 40), 0)]:
             check_forward_backward(draw(shape, dtype), dim)
+        for shape in [(3, 2 * 1001), (5, 6, 38)]:
+            check_weighted(draw(shape, dtype), draw_weights(shape, torch.float64 if dtype is torch.float64
+                                                            else torch.float32))
     print("ok", isa)
     """
 )

@@ -3,6 +3,7 @@ import importlib.util
 
 import pytest
 
+from ascendspeed.accelerator.cpu_features import has_fast_bf16_gemm
 from ascendspeed.features import all_features
 from ascendspeed.training.arguments import build_parser, parse_args
 
@@ -30,6 +31,19 @@ def test_a_megatron_lm_command_line_parses():
     assert args.add_bias_linear is False
     assert args.bf16 and args.swiglu and args.untie_embeddings_and_output_weights
     assert args.data_path == ["corpus.txt"]
+
+
+def test_bf16_on_a_cpu_without_a_bf16_gemm_is_told_before_training(capsys, monkeypatch):
+    """Without AVX-512 torch's bf16 matmul is a scalar loop (bench/bf16_gemm.py): a --bf16 run on such a CPU
+    is told so once, on rank 0, with the fix; an fp32 run, another rank or a fast-bf16 CPU hears nothing."""
+    monkeypatch.setenv("RANK", "0")
+    parse_args(["--bf16"], world_size=2, device="cpu")
+    told = "no fast bf16 matrix multiply here" in capsys.readouterr().err
+    assert told == (not has_fast_bf16_gemm())
+    parse_args([], world_size=2, device="cpu")
+    monkeypatch.setenv("RANK", "1")
+    parse_args(["--bf16"], world_size=2, device="cpu")
+    assert "bf16" not in capsys.readouterr().err
 
 
 def test_defaults_are_the_embedded_job():

@@ -9,4 +9,5 @@
 #include "../common/cpu_isa_end.h"
 #endif
 
-ASCENDSPEED_DEFINE_CPU_KERNELS(swiglu, avx2, &forward, &backward)
+ASCENDSPEED_DEFINE_CPU_KERNELS(
+    swiglu, avx2, &forward, &backward, &weighted_forward, &weighted_backward)

@@ -5,4 +5,5 @@
 #include "../common/cpu_isa_default_begin.h"
 #include "swiglu_kernels_impl.h"
 
-ASCENDSPEED_DEFINE_CPU_KERNELS(swiglu, default, &forward, &backward)
+ASCENDSPEED_DEFINE_CPU_KERNELS(
+    swiglu, default, &forward, &backward, &weighted_forward, &weighted_backward)

@@ -1,6 +1,8 @@
 // SwiGLU as torch operators: ascendspeed::swiglu(x, dim) = silu(a) * b where x = [a | b] is split in
 // halves along dim (the gate a first, as Megatron's torch.chunk), and its backward
 // ascendspeed::swiglu_backward(grad_y, x, dim) = grad_x, which needs only x: nothing else is saved.
+// ascendspeed::weighted_swiglu(x, weights) scales each row by its routing probability in the same pass
+// (megatron-core's weighted_bias_swiglu_impl for experts); its backward also returns grad_weights.
 //
 // This file owns the schemas, the one argument check of each operator (check_swiglu,
 // check_swiglu_backward: called by the CPU and the Meta kernel alike), the memory layout and the choice
@@ -17,6 +19,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../common/cpu_isa.h"
@@ -212,6 +215,106 @@ at::Tensor swiglu_backward_meta(const at::Tensor& grad_y, const at::Tensor& x, i
   return empty_meta_in_order(x.sym_sizes().vec(), output_order(x), x.options());
 }
 
+// -- weighted_swiglu: an expert's SwiGLU scaled by its tokens' routing probabilities ------------------
+// ascendspeed::weighted_swiglu(x, weights) = silu(a) * b * weights over the last dimension of x, with
+// weights of shape x.shape[:-1] + (1,) (megatron-core's per-token scale), in one pass rounded once to
+// the dtype of x; its backward returns the gradients of x and of weights (in the dtype of weights).
+
+// The one argument check of ascendspeed::weighted_swiglu.
+void check_weighted_swiglu(const at::Tensor& x, const at::Tensor& weights) {
+  TORCH_CHECK_VALUE(
+      x.dim() > 0, "weighted_swiglu: x must have at least one dimension, got a 0-d tensor");
+  check_swiglu(x, -1);
+  const auto dtype = weights.scalar_type();
+  TORCH_CHECK_TYPE(
+      dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble,
+      "weighted_swiglu: weights must be float32, bfloat16, float16 or float64, got ",
+      dtype);
+  std::vector<c10::SymInt> expected = x.sym_sizes().vec();
+  expected.back() = 1;
+  TORCH_CHECK_VALUE(
+      weights.sym_sizes() == c10::SymIntArrayRef(expected),
+      "weighted_swiglu: weights must have shape x.shape[:-1] + (1,) = ",
+      c10::SymIntArrayRef(expected),
+      " (one routing probability per row of x), got ",
+      weights.sym_sizes());
+  TORCH_CHECK_VALUE(
+      weights.device() == x.device(),
+      "weighted_swiglu: weights must be on the device of x (",
+      x.device(),
+      "), got ",
+      weights.device(),
+      "; move one of them");
+}
+
+void check_weighted_swiglu_backward(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weights) {
+  check_weighted_swiglu(x, weights);
+  check_swiglu_backward(grad_y, x, -1);
+}
+
+// The kernels' math type: float, double for double inputs; the weights are read in it.
+at::ScalarType weighted_opmath(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+struct WeightedPlan {
+  at::Tensor x;
+  at::Tensor w;  // one opmath value per row, contiguous
+  int64_t rows = 1;
+  int64_t len = 0;
+  std::vector<int64_t> y_sizes;
+};
+
+WeightedPlan make_weighted_plan(const at::Tensor& input, const at::Tensor& weights) {
+  WeightedPlan plan;
+  plan.x = input.contiguous();
+  plan.w = weights.to(weighted_opmath(input)).contiguous();
+  plan.y_sizes = input.sizes().vec();
+  plan.y_sizes.back() /= 2;
+  plan.len = plan.y_sizes.back();
+  plan.rows = weights.numel();
+  return plan;
+}
+
+at::Tensor weighted_swiglu_cpu(const at::Tensor& input, const at::Tensor& weights) {
+  check_weighted_swiglu(input, weights);
+  const WeightedPlan plan = make_weighted_plan(input, weights);
+  auto y = cpu::empty_output(plan.y_sizes, plan.x.options());
+  if (y.numel() > 0) {
+    cpu_kernels().weighted_forward(plan.x, plan.w, y, plan.rows, plan.len);
+  }
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> weighted_swiglu_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& input, const at::Tensor& weights) {
+  check_weighted_swiglu_backward(grad_y, input, weights);
+  const WeightedPlan plan = make_weighted_plan(input, weights);
+  const at::Tensor g = grad_y.contiguous();
+  auto grad_x = cpu::empty_output(plan.x.sizes(), plan.x.options());
+  auto grad_w = at::zeros({plan.rows}, plan.w.options());
+  if (grad_x.numel() > 0) {
+    cpu_kernels().weighted_backward(g, plan.x, plan.w, grad_x, grad_w, plan.rows, plan.len);
+  }
+  return {grad_x, grad_w.to(weights.scalar_type()).view(weights.sizes())};
+}
+
+at::Tensor weighted_swiglu_meta(const at::Tensor& x, const at::Tensor& weights) {
+  check_weighted_swiglu(x, weights);
+  std::vector<c10::SymInt> sizes = x.sym_sizes().vec();
+  sizes.back() = sizes.back() / 2;
+  return at::empty_symint(sizes, x.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> weighted_swiglu_backward_meta(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weights) {
+  check_weighted_swiglu_backward(grad_y, x, weights);
+  return {
+      at::empty_symint(x.sym_sizes(), x.options()),
+      at::empty_symint(weights.sym_sizes(), weights.options())};
+}
+
 std::string cpu_kernel() {
   return cpu::describe_kernels(cpu_kernels().isa);
 }
@@ -225,15 +328,23 @@ TORCH_LIBRARY_FRAGMENT(ascendspeed, m) {
   m.def(
       "swiglu_backward(Tensor grad_y, Tensor x, int dim=-1) -> Tensor",
       {at::Tag::pt2_compliant_tag});
+  m.def("weighted_swiglu(Tensor x, Tensor weights) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def(
+      "weighted_swiglu_backward(Tensor grad_y, Tensor x, Tensor weights) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
   m.def("_swiglu_cpu_kernel() -> str", &ascendspeed::swiglu::cpu_kernel);
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, CPU, m) {
   m.impl("swiglu", &ascendspeed::swiglu::swiglu_cpu);
   m.impl("swiglu_backward", &ascendspeed::swiglu::swiglu_backward_cpu);
+  m.impl("weighted_swiglu", &ascendspeed::swiglu::weighted_swiglu_cpu);
+  m.impl("weighted_swiglu_backward", &ascendspeed::swiglu::weighted_swiglu_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(ascendspeed, Meta, m) {
   m.impl("swiglu", &ascendspeed::swiglu::swiglu_meta);
   m.impl("swiglu_backward", &ascendspeed::swiglu::swiglu_backward_meta);
+  m.impl("weighted_swiglu", &ascendspeed::swiglu::weighted_swiglu_meta);
+  m.impl("weighted_swiglu_backward", &ascendspeed::swiglu::weighted_swiglu_backward_meta);
 }

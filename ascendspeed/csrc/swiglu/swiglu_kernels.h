@@ -22,6 +22,19 @@ struct CpuKernels {
       const at::Tensor& grad_x,
       int64_t rows,
       int64_t len);
+  // y = silu(a) * b * w[row], w one opmath value per row (float; double for double x)
+  void (*weighted_forward)(
+      const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, int64_t rows, int64_t len);
+  // grad_x as backward with grad_y * w[row]; grad_w[row] = sum over the row of grad_y * silu(a) * b,
+  // accumulated in opmath in an order fixed by len and the vector width (not by the thread count)
+  void (*weighted_backward)(
+      const at::Tensor& grad_y,
+      const at::Tensor& x,
+      const at::Tensor& w,
+      const at::Tensor& grad_x,
+      const at::Tensor& grad_w,
+      int64_t rows,
+      int64_t len);
   const char* isa;
 };
 

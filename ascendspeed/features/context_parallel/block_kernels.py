@@ -1,9 +1,13 @@
-"""Which code computes one ring block: the blockwise torch code, or torch_npu's fused attention on an NPU.
+"""Which code computes one ring block: ascendspeed's flash kernel on the CPU, torch_npu's fused attention on
+an NPU, or the blockwise torch code.
 
 The ring (``ring.py``) works with blocks of queries against keys at absolute positions and merges them by
-log-sum-exp. ``BlockwiseKernels`` is ``blockwise.py`` (every device, float64 included). On an Ascend NPU
-``FusedAttentionKernels`` calls ``torch_npu.npu_fusion_attention`` for a block's forward and
-``torch_npu.npu_fusion_attention_grad`` for its backward; ``kernels_for`` makes the choice, in this one place.
+log-sum-exp. ``BlockwiseKernels`` is ``blockwise.py`` (every device and dtype, every rule: masks, packs,
+dropout). On the CPU ``FlashBlockKernels`` runs the causal blocks without a mask, a pack or dropout through
+``ascendspeed::alibi_flash_attention`` (ALiBi slopes, or zeros without ALiBi), which keeps no [queries, keys]
+scores; on an Ascend NPU ``FusedAttentionKernels`` calls ``torch_npu.npu_fusion_attention`` for a block's
+forward and ``torch_npu.npu_fusion_attention_grad`` for its backward; ``kernels_for`` makes the choice, in
+this one place.
 
 torch_npu's conventions, and the conversions this module makes explicit:
 
@@ -27,12 +31,14 @@ from typing import Callable, Optional
 
 import torch
 
+import ascendspeed.ops.alibi_flash_attention  # noqa: F401  (registers ascendspeed::alibi_flash_attention)
 from ascendspeed.features.context_parallel.blockwise import (
     ScoreRule,
     accumulator_dtype,
     block_backward,
     block_forward,
     finite_lse,
+    merge_block_,
     positional_hidden,
 )
 
@@ -111,6 +117,84 @@ class BlockwiseKernels:
         return block_backward(q, k, v, grad_out, lse, delta, q_pos, k_pos, rule, mask, needs_causal_mask)
 
 
+def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The runs of consecutive positions in ascending ``positions``: (first index, end index, first position)."""
+    breaks = (torch.nonzero(positions.diff() != 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, positions.numel()]
+    return [(start, end, int(positions[start])) for start, end in zip(bounds, bounds[1:])]
+
+
+def causal_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The (query rows, key columns, q_offset) of a causal block cut where its positions jump (a rank of the
+    balanced layout holds two chunks), each a run of queries against a run of keys that starts at or before
+    every query: what the flash kernel computes (query row i at position q_offset + i, keys from 0). Rows and
+    columns nobody sees are trimmed; pieces with nothing visible are left out."""
+    for q_start, q_end, q_first in _runs(q_pos):
+        q_last = q_first + (q_end - q_start) - 1
+        for k_start, k_end, k_first in _runs(k_pos):
+            skipped_rows = max(0, k_first - q_first)  # queries before the first key see none of these keys
+            visible_cols = min(k_end - k_start, q_last - k_first + 1)
+            if skipped_rows < q_end - q_start and visible_cols > 0:
+                yield (slice(q_start + skipped_rows, q_end), slice(k_start, k_start + visible_cols),
+                       q_first + skipped_rows - k_first)
+
+
+class FlashBlockKernels:
+    """Causal blocks through ascendspeed's flash kernel on the CPU: ``alibi_flash_attention`` (its forward
+    returns the output and the log-sum-exp the ring merges by; its backward takes the final output and
+    log-sum-exp of the rows, as ``blockwise.block_backward``), with the rule's ALiBi slopes or zeros. A block
+    the kernel cannot express (a mask, a pack's sequence bounds, dropout, non-causal) runs the blockwise code.
+
+    The kernel rounds each block's output and gradients to the input dtype before they are merged in fp32 (as
+    flash kernels on accelerators do); the blockwise code keeps them in fp32 until the end.
+    """
+
+    name = "alibi_flash_attention"
+
+    @staticmethod
+    def takes(q: torch.Tensor, rule: ScoreRule, mask) -> bool:
+        return (q.device.type == "cpu" and rule.causal and mask is None and rule.segments is None
+                and rule.dropout is None)
+
+    @staticmethod
+    def _slopes(q: torch.Tensor, rule: ScoreRule) -> torch.Tensor:
+        if rule.slopes is None:
+            return torch.zeros(q.size(1), dtype=torch.float32)
+        return rule.slopes.to(device=q.device, dtype=torch.float32).contiguous()
+
+    @classmethod
+    def forward(cls, q, k, v, q_pos, k_pos, rule: ScoreRule, mask=None, needs_causal_mask=True):
+        if not cls.takes(q, rule, mask):
+            return block_forward(q, k, v, q_pos, k_pos, rule, mask, needs_causal_mask)
+        acc = accumulator_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        slopes = cls._slopes(q, rule)
+        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+            block_out, block_lse = torch.ops.ascendspeed.alibi_flash_attention(
+                q[:, :, rows].contiguous(), k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), slopes,
+                rule.scale, q_offset)
+            merge_block_(out[:, :, rows], lse[:, :, rows], block_out.to(acc), block_lse)
+        return out, lse
+
+    @classmethod
+    def backward(cls, q, k, v, grad_out, out, lse, delta, q_pos, k_pos, rule: ScoreRule, mask=None,
+                 needs_causal_mask=True):
+        if not cls.takes(q, rule, mask):
+            return block_backward(q, k, v, grad_out, lse, delta, q_pos, k_pos, rule, mask, needs_causal_mask)
+        acc = accumulator_dtype(q.dtype)
+        grads = [torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v)]
+        slopes = cls._slopes(q, rule)
+        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+            block_grads = torch.ops.ascendspeed.alibi_flash_attention_backward(
+                grad_out[:, :, rows].to(q.dtype).contiguous(), q[:, :, rows].contiguous(),
+                k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), out[:, :, rows].to(q.dtype).contiguous(),
+                lse[:, :, rows].contiguous(), slopes, rule.scale, q_offset)
+            for grad, index, block_grad in zip(grads, (rows, cols, cols), block_grads):
+                grad[:, :, index] += block_grad
+        return tuple(grads)
+
+
 @dataclasses.dataclass(frozen=True)
 class FusedAttentionKernels:
     """Ring blocks through torch_npu's fused attention; ``fusion_attention`` and ``fusion_attention_grad``
@@ -164,12 +248,18 @@ _NPU_KERNELS_LOOKED_UP = False
 
 
 def kernels_for(q: torch.Tensor, with_dropout: bool = False):
-    """The block kernels for ``q``: torch_npu's fused attention for NPU tensors of a dtype it takes (when
-    torch_npu provides it), the blockwise torch code otherwise. With attention dropout always the blockwise
-    code: torch_npu's ``keep_prob`` draws masks by its own tiling, not by position, so they would change
-    with the context-parallel layout and could not be rebuilt for a reference."""
+    """The block kernels for ``q``: ascendspeed's flash kernel for CPU tensors (which hands the blocks it
+    cannot express to the blockwise code), torch_npu's fused attention for NPU tensors of a dtype it takes
+    (when torch_npu provides it), the blockwise torch code otherwise. With attention dropout always the
+    blockwise code: its masks are drawn by position (``dropout.py``), which neither kernel does (torch_npu's
+    ``keep_prob`` draws by its own tiling), so they would change with the context-parallel layout and could
+    not be rebuilt for a reference."""
     global _NPU_KERNELS, _NPU_KERNELS_LOOKED_UP
-    if with_dropout or q.device.type != "npu" or q.dtype not in NPU_FUSED_DTYPES:
+    if with_dropout:
+        return BlockwiseKernels
+    if q.device.type == "cpu":
+        return FlashBlockKernels
+    if q.device.type != "npu" or q.dtype not in NPU_FUSED_DTYPES:
         return BlockwiseKernels
     if not _NPU_KERNELS_LOOKED_UP:
         _NPU_KERNELS, _NPU_KERNELS_LOOKED_UP = _torch_npu_kernels(), True

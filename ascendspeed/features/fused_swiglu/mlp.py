@@ -15,7 +15,7 @@ import copy
 import functools
 
 from ascendspeed.features.fused_swiglu.config import runs_plain_gated_silu
-from ascendspeed.ops.swiglu import swiglu
+from ascendspeed.ops.swiglu import swiglu, weighted_swiglu
 from ascendspeed.patching import Patch, replace, wrap
 
 
@@ -40,8 +40,9 @@ def fused_bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input
 
 def fused_weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False):
     """megatron-core's ``weighted_bias_swiglu_impl`` (an expert's SwiGLU scaled by its tokens' routing
-    probabilities) on the fused operator: ``swiglu(input + bias) * weights`` in the promoted dtype, cast to
-    the input's dtype as megatron-core casts. A bias is taken (megatron-core's raises NotImplementedError)."""
+    probabilities) on the fused weighted operator: ``swiglu(input + bias) * weights`` in one pass, in fp32,
+    rounded once to the input's dtype (megatron-core rounds the SwiGLU, then the product). A bias is taken
+    (megatron-core's raises NotImplementedError)."""
     if fp8_input_store:
         raise ValueError(
             "ascendspeed fused SwiGLU keeps its saved input in the activation dtype; it cannot run with "
@@ -50,9 +51,14 @@ def fused_weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False)
         )
     shape = input.shape
     x = input.reshape(-1, shape[-1])
+    if weights.numel() != x.shape[0]:
+        raise ValueError(
+            f"weighted_bias_swiglu_impl: weights must hold one routing probability per token of input "
+            f"({x.shape[0]} tokens in input of shape {tuple(shape)}), got weights of shape {tuple(weights.shape)}"
+        )
     if bias is not None:
         x = x + bias
-    out = (swiglu(x, -1) * weights).to(input.dtype)
+    out = weighted_swiglu(x, weights.reshape(x.shape[0], 1))
     return out.view(*shape[:-1], shape[-1] // 2)
 
 
