@@ -267,16 +267,22 @@ def test_low_precision_inputs_accumulate_in_fp32(dtype, tolerance, causal):
         assert error < tolerance
 
 
-def test_causal_sub_blocks_cover_exactly_the_visible_pairs():
-    """Cut where positions jump, trimmed to what is visible: every (query, key) pair with key <= query exactly
-    once, each piece expressible by the flash kernel (query row i at q_offset + i, keys from 0)."""
-    for cp in (1, 2, 3, 4):
-        positions = [layout.positions_on_rank(24, r, cp) for r in range(cp)]
+@pytest.mark.parametrize("pack", [None, torch.tensor([0, 8, 8, 32, 48]), torch.tensor([0, 24, 48])],
+                         ids=["one sequence", "pack with an empty sequence", "pack of two"])
+def test_causal_sub_blocks_cover_exactly_the_visible_pairs(pack):
+    """Cut where positions jump and where a pack's sequences end, trimmed to what is visible: every (query, key)
+    pair with key <= query of the same sequence exactly once, each piece expressible by the flash kernel (query
+    row i at q_offset + i, keys from 0)."""
+    same = (lambda q, k: torch.ones(q.numel(), k.numel(), dtype=torch.bool)) if pack is None else (
+        lambda q, k: layout.segment_ids(q, pack)[:, None] == layout.segment_ids(k, pack)[None, :])
+    for cp in (1, 2, 4):
+        positions = [layout.positions_on_rank(48, r, cp) if pack is None else layout.packed_positions_on_rank(pack, r, cp)
+                     for r in range(cp)]
         for q_pos in positions:
             for k_pos in positions:
                 pieces = torch.zeros(q_pos.numel(), k_pos.numel(), dtype=torch.int64)
                 seen = torch.zeros_like(pieces)
-                for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+                for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos, pack):
                     assert q_offset >= 0
                     q_run, k_run = q_pos[rows], k_pos[cols]
                     assert torch.equal(q_run, q_run[0] + torch.arange(q_run.numel()))
@@ -285,20 +291,25 @@ def test_causal_sub_blocks_cover_exactly_the_visible_pairs():
                     pieces[rows, cols] += 1
                     seen[rows, cols] += (k_run[None, :] <= q_run[:, None]).long()  # the kernel's causal mask
                 assert pieces.max() <= 1
-                assert torch.equal(seen, (k_pos[None, :] <= q_pos[:, None]).long())
+                assert torch.equal(seen, ((k_pos[None, :] <= q_pos[:, None]) & same(q_pos, k_pos)).long())
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("with_alibi", [False, True])
-def test_flash_blocks_equal_blockwise_blocks(dtype, tolerance, with_alibi):
-    """A ring block of the balanced layout (two chunks per rank) through the flash kernel equals the blockwise
-    code, forward (output, log-sum-exp) and backward (given the final output and log-sum-exp of the rows)."""
+@pytest.mark.parametrize("pack", [None, torch.tensor([0, 8, 16, 40])], ids=["one sequence", "pack"])
+def test_flash_blocks_equal_blockwise_blocks(dtype, tolerance, with_alibi, pack):
+    """A ring block of the balanced layout (two chunks per rank, of every sequence in a pack) through the flash
+    kernel equals the blockwise code, forward (output, log-sum-exp) and backward (given the final output and
+    log-sum-exp of the rows)."""
     generator = torch.Generator().manual_seed(11)
-    q_pos, k_pos = layout.positions_on_rank(40, 0, 2), layout.positions_on_rank(40, 1, 2)
+    if pack is None:
+        q_pos, k_pos = layout.positions_on_rank(40, 0, 2), layout.positions_on_rank(40, 1, 2)
+    else:
+        q_pos, k_pos = layout.packed_positions_on_rank(pack, 0, 2), layout.packed_positions_on_rank(pack, 1, 2)
     q, grad = (torch.randn(2, 3, q_pos.numel(), 16, generator=generator, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(2, 3, k_pos.numel(), 16, generator=generator, dtype=torch.float64) for _ in range(2))
     q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
-    rule = ScoreRule(scale=0.3, causal=True, slopes=alibi_slopes(3) if with_alibi else None)
+    rule = ScoreRule(scale=0.3, causal=True, slopes=alibi_slopes(3) if with_alibi else None, segments=pack)
     for own_keys in (False, True):
         keys = (q_pos, q, q) if own_keys else (k_pos, k, v)
         expected = BlockwiseKernels.forward(q, keys[1], keys[2], q_pos, keys[0], rule)
@@ -318,13 +329,17 @@ def test_flash_blocks_equal_blockwise_blocks(dtype, tolerance, with_alibi):
             assert got.dtype == want.dtype and (got - want).abs().max() <= tolerance * (1 + want.abs().max())
 
 
-def test_ring_on_cpu_runs_the_flash_kernel_and_dropout_the_blockwise_code():
+def test_ring_on_cpu_runs_the_flash_kernel_also_for_packs_and_dropout_the_blockwise_code():
     q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
-    for dropout, flash_calls in ((None, 2), (PositionalDropout.for_heads(0.2, seed=1, heads=2), 0)):
+    dropout = PositionalDropout.for_heads(0.2, seed=1, heads=2)
+    for dropout, segments, kernel_ran in ((None, None, True), (None, torch.tensor([0, 4, 12]), True),
+                                          (dropout, None, False)):
         with torch.profiler.profile() as profile:
-            ring_attention(q, k, v, [torch.arange(12)], slopes=alibi_slopes(2), dropout=dropout).sum().backward()
-        names = [event.key for event in profile.key_averages()]
-        assert sum(name.startswith("ascendspeed::alibi_flash_attention") for name in names) == flash_calls, names
+            ring_attention(q, k, v, [torch.arange(12)], slopes=alibi_slopes(2), dropout=dropout,
+                           segments=segments).sum().backward()
+        names = {event.key for event in profile.key_averages()}
+        expected = {"ascendspeed::alibi_flash_attention", "ascendspeed::alibi_flash_attention_backward"}
+        assert (expected <= names) if kernel_ran else not (expected & names), names
 
 
 def test_positional_dropout_drops_p_of_the_entries_by_position_alone():

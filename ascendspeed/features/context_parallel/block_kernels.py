@@ -3,11 +3,11 @@ an NPU, or the blockwise torch code.
 
 The ring (``ring.py``) works with blocks of queries against keys at absolute positions and merges them by
 log-sum-exp. ``BlockwiseKernels`` is ``blockwise.py`` (every device and dtype, every rule: masks, packs,
-dropout). On the CPU ``FlashBlockKernels`` runs the causal blocks without a mask, a pack or dropout through
-``ascendspeed::alibi_flash_attention`` (ALiBi slopes, or zeros without ALiBi), which keeps no [queries, keys]
-scores; on an Ascend NPU ``FusedAttentionKernels`` calls ``torch_npu.npu_fusion_attention`` for a block's
-forward and ``torch_npu.npu_fusion_attention_grad`` for its backward; ``kernels_for`` makes the choice, in
-this one place.
+dropout). On the CPU ``FlashBlockKernels`` runs the causal blocks without a mask or dropout (packs included,
+cut at their sequences' bounds) through ``ascendspeed::alibi_flash_attention`` (ALiBi slopes, or zeros
+without ALiBi), which keeps no [queries, keys] scores; on an Ascend NPU ``FusedAttentionKernels`` calls
+``torch_npu.npu_fusion_attention`` for a block's forward and ``torch_npu.npu_fusion_attention_grad`` for its
+backward; ``kernels_for`` makes the choice, in this one place.
 
 torch_npu's conventions, and the conversions this module makes explicit:
 
@@ -117,21 +117,33 @@ class BlockwiseKernels:
         return block_backward(q, k, v, grad_out, lse, delta, q_pos, k_pos, rule, mask, needs_causal_mask)
 
 
-def _runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
-    """The runs of consecutive positions in ascending ``positions``: (first index, end index, first position)."""
-    breaks = (torch.nonzero(positions.diff() != 1).flatten() + 1).tolist()
-    bounds = [0, *breaks, positions.numel()]
-    return [(start, end, int(positions[start])) for start, end in zip(bounds, bounds[1:])]
+def _runs(positions: torch.Tensor, segments: Optional[torch.Tensor]) -> list[tuple[int, int, int, int]]:
+    """The runs of consecutive positions of one sequence in ascending ``positions``: (first index, end index,
+    first position, sequence of a pack; 0 without one)."""
+    if segments is None:
+        sequence = torch.zeros_like(positions)
+        breaks = positions.diff() != 1
+    else:
+        from ascendspeed.features.context_parallel.layout import segment_ids
+
+        sequence = segment_ids(positions, segments)
+        breaks = (positions.diff() != 1) | (sequence.diff() != 0)
+    bounds = [0, *(torch.nonzero(breaks).flatten() + 1).tolist(), positions.numel()]
+    return [(start, end, int(positions[start]), int(sequence[start])) for start, end in zip(bounds, bounds[1:])]
 
 
-def causal_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor):
+def causal_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor, segments: Optional[torch.Tensor] = None):
     """The (query rows, key columns, q_offset) of a causal block cut where its positions jump (a rank of the
-    balanced layout holds two chunks), each a run of queries against a run of keys that starts at or before
-    every query: what the flash kernel computes (query row i at position q_offset + i, keys from 0). Rows and
-    columns nobody sees are trimmed; pieces with nothing visible are left out."""
-    for q_start, q_end, q_first in _runs(q_pos):
+    balanced layout holds two chunks; of a pack, two chunks of every sequence) and, in a pack, where a sequence
+    ends: each a run of queries against a run of keys of the same sequence that starts at or before every
+    query, what the flash kernel computes (query row i at position q_offset + i, keys from 0). Rows and columns
+    nobody sees are trimmed; pieces with nothing visible, and pieces of two different sequences, are left out."""
+    key_runs = _runs(k_pos, segments)
+    for q_start, q_end, q_first, q_sequence in _runs(q_pos, segments):
         q_last = q_first + (q_end - q_start) - 1
-        for k_start, k_end, k_first in _runs(k_pos):
+        for k_start, k_end, k_first, k_sequence in key_runs:
+            if k_sequence != q_sequence:
+                continue
             skipped_rows = max(0, k_first - q_first)  # queries before the first key see none of these keys
             visible_cols = min(k_end - k_start, q_last - k_first + 1)
             if skipped_rows < q_end - q_start and visible_cols > 0:
@@ -142,8 +154,9 @@ def causal_sub_blocks(q_pos: torch.Tensor, k_pos: torch.Tensor):
 class FlashBlockKernels:
     """Causal blocks through ascendspeed's flash kernel on the CPU: ``alibi_flash_attention`` (its forward
     returns the output and the log-sum-exp the ring merges by; its backward takes the final output and
-    log-sum-exp of the rows, as ``blockwise.block_backward``), with the rule's ALiBi slopes or zeros. A block
-    the kernel cannot express (a mask, a pack's sequence bounds, dropout, non-causal) runs the blockwise code.
+    log-sum-exp of the rows, as ``blockwise.block_backward``), with the rule's ALiBi slopes or zeros. In a pack
+    each sequence's pieces are computed and the pieces between two sequences skipped. A block the kernel
+    cannot express (a mask, dropout, non-causal) runs the blockwise code.
 
     The kernel rounds each block's output and gradients to the input dtype before they are merged in fp32 (as
     flash kernels on accelerators do); the blockwise code keeps them in fp32 until the end.
@@ -153,8 +166,7 @@ class FlashBlockKernels:
 
     @staticmethod
     def takes(q: torch.Tensor, rule: ScoreRule, mask) -> bool:
-        return (q.device.type == "cpu" and rule.causal and mask is None and rule.segments is None
-                and rule.dropout is None)
+        return q.device.type == "cpu" and rule.causal and mask is None and rule.dropout is None
 
     @staticmethod
     def _slopes(q: torch.Tensor, rule: ScoreRule) -> torch.Tensor:
@@ -170,7 +182,7 @@ class FlashBlockKernels:
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         slopes = cls._slopes(q, rule)
-        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos, rule.segments):
             block_out, block_lse = torch.ops.ascendspeed.alibi_flash_attention(
                 q[:, :, rows].contiguous(), k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), slopes,
                 rule.scale, q_offset)
@@ -185,7 +197,7 @@ class FlashBlockKernels:
         acc = accumulator_dtype(q.dtype)
         grads = [torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v)]
         slopes = cls._slopes(q, rule)
-        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos):
+        for rows, cols, q_offset in causal_sub_blocks(q_pos, k_pos, rule.segments):
             block_grads = torch.ops.ascendspeed.alibi_flash_attention_backward(
                 grad_out[:, :, rows].to(q.dtype).contiguous(), q[:, :, rows].contiguous(),
                 k[:, :, cols].contiguous(), v[:, :, cols].contiguous(), out[:, :, rows].to(q.dtype).contiguous(),
