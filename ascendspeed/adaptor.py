@@ -72,7 +72,7 @@ def every_patch() -> list[dict]:
     """A row for every patch ascendspeed can apply, whatever the device and megatron-core release: the CPU
     and NPU shims, the Megatron-LM hooks, and each feature's patches with its ``example_flags`` on."""
     from ascendspeed import accelerator
-    from ascendspeed.accelerator import triton_guard
+    from ascendspeed.accelerator import cpu_half_gemm, triton_guard
     from ascendspeed.features import all_features
     from ascendspeed.integration import megatron_lm
     from ascendspeed.patching.manager import patch_row
@@ -81,6 +81,7 @@ def every_patch() -> list[dict]:
         (accelerator.CPU_FEATURE, accelerator.cpu_patches() + ([] if triton_guard.patches() else
                                                                triton_guard.guard_patches())),
         (accelerator.GLOO_P2P_FEATURE, accelerator.gloo_p2p_patches()),
+        (accelerator.CPU_HALF_GEMM_FEATURE, accelerator.cpu_half_gemm_patches(cpu_half_gemm.HALF_DTYPES)),
         (accelerator.NPU_FEATURE, triton_guard.guard_patches()),
         (accelerator.TE_FALLBACK_FEATURE, accelerator.te_fallback_patches()),
         (accelerator.MAMBA_FALLBACK_FEATURE, accelerator.mamba_fallback_patches()),

@@ -8,6 +8,8 @@
 * ``cpu`` otherwise: the shims of feature ``accelerator.cpu`` give Megatron's CUDA spellings CPU meanings
   (see ``cpu_runtime``, ``cpu_tensors``, ``cpu_megatron_core``, ``cpu_megatron_lm``, ``triton_guard``), and
   feature ``accelerator.cpu.gloo_p2p`` keeps gloo from swapping pipeline messages (``cpu_megatron_core``);
+  feature ``accelerator.cpu.fp32_half_gemm`` multiplies bf16 / fp16 linear layers in fp32 where this CPU has
+  no fast GEMM for them (``cpu_half_gemm``; ``ASCENDSPEED_CPU_HALF_GEMM=auto|fp32|native``);
   glibc's malloc keeps freed host memory for reuse, as a device's caching allocator does (``cpu_allocator``).
 
 On every device where Transformer Engine does not import, feature ``accelerator.te_fallback`` serves TE's layer
@@ -41,13 +43,14 @@ DEVICES = ("npu", "cuda", "cpu")
 ENVIRONMENT_VARIABLE = "ASCENDSPEED_DEVICE"
 CPU_FEATURE = "accelerator.cpu"
 GLOO_P2P_FEATURE = "accelerator.cpu.gloo_p2p"
+CPU_HALF_GEMM_FEATURE = "accelerator.cpu.fp32_half_gemm"
 NPU_FEATURE = "accelerator.npu"
 TE_FALLBACK_FEATURE = "accelerator.te_fallback"
 MAMBA_FALLBACK_FEATURE = "accelerator.mamba_fallback"
 GDN_FALLBACK_FEATURE = "accelerator.gdn_fallback"
 TORCH_ADAM_FEATURE = "accelerator.torch_adam"
 MODEL_SPACE_CHECKPOINTS_FEATURE = "accelerator.model_space_checkpoints"
-FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, MAMBA_FALLBACK_FEATURE,
+FEATURES = (CPU_FEATURE, GLOO_P2P_FEATURE, CPU_HALF_GEMM_FEATURE, NPU_FEATURE, TE_FALLBACK_FEATURE, MAMBA_FALLBACK_FEATURE,
             GDN_FALLBACK_FEATURE, TORCH_ADAM_FEATURE, MODEL_SPACE_CHECKPOINTS_FEATURE)
 
 logger = logging.getLogger(__name__)
@@ -135,6 +138,14 @@ def gloo_p2p_patches():
     return cpu_megatron_core.p2p_patches()
 
 
+def cpu_half_gemm_patches(widened=None):
+    """Feature ``accelerator.cpu.fp32_half_gemm``: Megatron's linear layers in ``widened`` dtypes (default: per
+    ``ASCENDSPEED_CPU_HALF_GEMM``, those this CPU has no fast GEMM for) multiplied in fp32 (``cpu_half_gemm``)."""
+    from ascendspeed.accelerator import cpu_half_gemm
+
+    return cpu_half_gemm.patches(cpu_half_gemm.widened_dtypes() if widened is None else widened)
+
+
 def te_fallback_patches():
     """The stand-ins of feature ``accelerator.te_fallback``: Transformer Engine's classes on megatron-core's local
     modules (``te_fallback``), installed on any device where TE does not import."""
@@ -193,6 +204,7 @@ def install(manager: PatchManager = MANAGER) -> str:
 
         manager.apply(CPU_FEATURE, cpu_patches())
         manager.apply(GLOO_P2P_FEATURE, gloo_p2p_patches())
+        manager.apply(CPU_HALF_GEMM_FEATURE, cpu_half_gemm_patches())
         keeps_host_memory = cpu_allocator.apply_requested_policy()
     elif device == "npu":
         _install_npu(manager)

@@ -97,8 +97,29 @@ def attention_dropout(layer) -> tuple[float, contextlib.AbstractContextManager]:
     return dropout_p, contextlib.nullcontext()
 
 
-def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tensor:
-    """[sq, b, heads, d] query, [sk, b, groups, d] key and value in; [sq, b, heads * d_v] out, like Megatron."""
+def _attention_with_fp32_products(q, k, v, plan: MaskPlan, scale: float, dropout_p: float) -> torch.Tensor:
+    """[b, heads, s, d] attention in a half-precision dtype this CPU has no fast GEMM for (torch's flash kernel
+    would multiply its blocks with the scalar fallback GEMM): a causal call without dropout on ascendspeed's flash
+    kernel (``alibi_flash_attention`` with zero slopes: products of the half-precision values summed in fp32,
+    softmax in fp32, the output rounded once), anything else on torch's kernel over fp32 copies, which backward
+    gets back from the half-precision originals (``saved_as_originals``); the output rounded once."""
+    if plan.causal and plan.allowed is None and dropout_p == 0 and q.shape[2] == k.shape[2]:
+        from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
+
+        slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
+        return alibi_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), slopes, scale=scale)
+    from ascendspeed.accelerator.cpu_half_gemm import saved_as_originals
+
+    wide = [t.float() for t in (q, k, v)]
+    with saved_as_originals(zip(wide, (q, k, v))):
+        out = F.scaled_dot_product_attention(*wide, attn_mask=plan.allowed, is_causal=plan.causal,
+                                             dropout_p=dropout_p, scale=scale)
+    return out.to(q.dtype)
+
+
+def fused_core_attention(layer, query, key, value, plan: MaskPlan, fp32_gemms: bool = False) -> torch.Tensor:
+    """[sq, b, heads, d] query, [sk, b, groups, d] key and value in; [sq, b, heads * d_v] out, like Megatron.
+    ``fp32_gemms``: the dtype has no fast GEMM on this CPU (``_attention_with_fp32_products``)."""
     sq, batch = query.shape[:2]
     dropout_p, rng = attention_dropout(layer)
     if query.device.type == "npu":
@@ -110,15 +131,19 @@ def fused_core_attention(layer, query, key, value, plan: MaskPlan) -> torch.Tens
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with rng:
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
-                                                     dropout_p=dropout_p, scale=layer.softmax_scale)
+            if fp32_gemms:
+                context = _attention_with_fp32_products(q, k, v, plan, layer.softmax_scale, dropout_p)
+            else:
+                context = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.allowed, is_causal=plan.causal,
+                                                         dropout_p=dropout_p, scale=layer.softmax_scale)
         context = context.permute(2, 0, 1, 3).reshape(sq, batch, -1)
     if plan.query_rows is not None:
         context = context * plan.query_rows.view(sq, 1, 1).to(context.dtype)
     return context
 
 
-def packed_core_attention(layer, query, key, value, packed_seq_params) -> Optional[torch.Tensor]:
+def packed_core_attention(layer, query, key, value, packed_seq_params,
+                          fp32_gemms: bool = False) -> Optional[torch.Tensor]:
     """A THD pack's attention ([t, heads, d] in, [t, heads * d] out, as Transformer Engine takes and returns
     it), or None where the kernel would not compute what the layer asks (a sliding window, a softmax offset,
     query-key layer scaling) or ``packed_plan`` leaves the pack to Megatron's path (which refuses it)."""
@@ -128,4 +153,4 @@ def packed_core_attention(layer, query, key, value, packed_seq_params) -> Option
     if plan is None:
         return None
     query, key, value = (tensor.unsqueeze(1) for tensor in (query, key, value))
-    return fused_core_attention(layer, query, key, value, plan).squeeze(1)
+    return fused_core_attention(layer, query, key, value, plan, fp32_gemms).squeeze(1)

@@ -34,11 +34,24 @@ def grouped_linear(
     weights: Sequence[torch.Tensor],
     m_splits: Sequence[int],
     biases: Optional[Sequence[torch.Tensor]] = None,
+    fp32_products: bool = False,
 ) -> torch.Tensor:
     """``x`` (``[..., in]``, its rows grouped as ``m_splits`` says) through one linear layer per group
-    (``weights[g]``: ``[out, in]``, ``biases[g]``: ``[out]``): ``[..., out]``. Differentiable in all three."""
+    (``weights[g]``: ``[out, in]``, ``biases[g]``: ``[out]``): ``[..., out]``. Differentiable in all three.
+
+    ``fp32_products``: multiply half-precision operands in fp32 and round the output once, for CPUs without a
+    fast GEMM for their dtype (``ascendspeed.accelerator.cpu_half_gemm``); backward gets the originals back."""
     rows = x.reshape(-1, x.size(-1))
-    y = torch.ops.ascendspeed.grouped_linear(rows, list(weights), list(biases or ()), [int(m) for m in m_splits])
+    weights, biases, m_splits = list(weights), list(biases or ()), [int(m) for m in m_splits]
+    if fp32_products and rows.dtype in (torch.bfloat16, torch.float16):
+        from ascendspeed.accelerator.cpu_half_gemm import saved_as_originals
+
+        wide = [t.float() for t in (rows, *weights)]
+        with saved_as_originals(zip(wide, (rows, *weights))):
+            y = torch.ops.ascendspeed.grouped_linear(wide[0], wide[1:], [b.float() for b in biases], m_splits)
+        y = y.to(rows.dtype)
+    else:
+        y = torch.ops.ascendspeed.grouped_linear(rows, weights, biases, m_splits)
     return y.view(*x.shape[:-1], y.size(-1))
 
 

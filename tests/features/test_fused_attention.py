@@ -3,7 +3,9 @@ every mask form against float64 and against Megatron's own materialised path (``
 unfused``), forward and backward, fp32 / bf16 / fp16; the calls that must keep Megatron's path; a GPT whose
 loss and gradients do not depend on the backend."""
 import argparse
+import contextlib
 import itertools
+import os
 
 import pytest
 import torch
@@ -13,20 +15,53 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
+from ascendspeed.accelerator import cpu_half_gemm
 from ascendspeed.features import disable_features, enable_features, validate_features
 from ascendspeed.features.fused_attention.attention import MaskPlan, fused_core_attention, mask_plan, why_unfused
 
 FUSED_KERNEL = "aten::_scaled_dot_product_flash_attention_for_cpu"
+OWN_KERNEL = "ascendspeed::alibi_flash_attention"
 #: dtype -> relative tolerance against float64 (outputs; gradients get twice as much).
 TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 
 
+@contextlib.contextmanager
+def half_gemm_policy(policy):
+    """``ASCENDSPEED_CPU_HALF_GEMM`` while the feature reads its settings."""
+    saved = os.environ.get(cpu_half_gemm.ENVIRONMENT_VARIABLE)
+    os.environ[cpu_half_gemm.ENVIRONMENT_VARIABLE] = policy
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[cpu_half_gemm.ENVIRONMENT_VARIABLE]
+        else:
+            os.environ[cpu_half_gemm.ENVIRONMENT_VARIABLE] = saved
+
+
 @pytest.fixture(scope="module")
 def megatron_world():
+    """The feature as on a CPU with fast half-precision GEMMs, whatever this one has (``fp32_products`` below
+    is the other case)."""
     with mu.one_process_world():
-        enable_features(attention_backend="auto")
+        with half_gemm_policy("native"):
+            enable_features(attention_backend="auto")
         yield
         disable_features(["fused_attention"])
+
+
+@pytest.fixture
+def fp32_products(megatron_world):
+    """The feature as on a CPU without fast bf16 / fp16 GEMMs (no AVX-512): ``ASCENDSPEED_CPU_HALF_GEMM=fp32``."""
+    disable_features(["fused_attention"])
+    with half_gemm_policy("fp32"):
+        enable_features(attention_backend="auto")
+    try:
+        yield
+    finally:
+        disable_features(["fused_attention"])
+        with half_gemm_policy("native"):
+            enable_features(attention_backend="auto")
 
 
 def attention(heads, groups, head_dim, dtype, mask_type=AttnMaskType.causal, backend=AttnBackend.auto, **overrides):
@@ -69,14 +104,16 @@ def reference(q, k, v, mask, scale):
     return out.permute(2, 0, 1, 3).flatten(2)
 
 
-def run(module, q, k, v, mask, grad):
-    """Output and input gradients of one call, and whether the fused kernel ran."""
+def run(module, q, k, v, mask, grad, kernels=False):
+    """Output and input gradients of one call, and whether the fused kernel ran (with ``kernels``: the set of
+    (kernel, operand dtype) that ran, torch's flash kernel or ascendspeed's)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    with torch.autograd.profiler.profile() as profile:
+    with torch.autograd.profiler.profile(record_shapes=True) as profile:
         out = module(q, k, v, mask)
         out.backward(grad)
-    fused = any(event.name == FUSED_KERNEL for event in profile.function_events)
-    return out, (q.grad, k.grad, v.grad), fused
+    ran = {(event.name, event.input_dtypes[0]) for event in profile.function_events
+           if event.name in (FUSED_KERNEL, OWN_KERNEL)}
+    return out, (q.grad, k.grad, v.grad), ran if kernels else any(name == FUSED_KERNEL for name, _ in ran)
 
 
 # name -> (heads, groups, sq, sk, mask type, mask builder(batch, sq, sk))
@@ -90,15 +127,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_path_matches_float64_and_megatron(megatron_world, case, dtype):
+def case_inputs(case, dtype, batch=2, head_dim=16):
+    """(heads, groups, head_dim, mask type, mask, q, k, v, grad) of one of ``CASES``, fresh random values."""
     heads, groups, sq, sk, mask_type, make_mask = CASES[case]
-    batch, head_dim = 2, 16
-    mask = make_mask(batch, sq, sk)
     q = torch.randn(sq, batch, heads, head_dim).to(dtype)
     k, v = (torch.randn(sk, batch, groups, head_dim).to(dtype) for _ in range(2))
     grad = torch.randn(sq, batch, heads * head_dim).to(dtype)
+    return heads, groups, head_dim, mask_type, make_mask(batch, sq, sk), q, k, v, grad
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_path_matches_float64_and_megatron(megatron_world, case, dtype):
+    heads, groups, head_dim, mask_type, mask, q, k, v, grad = case_inputs(case, dtype)
+    sq, sk = q.shape[0], k.shape[0]
 
     fused_module = attention(heads, groups, head_dim, dtype, mask_type)
     out, grads, fused_ran = run(fused_module, q, k, v, mask, grad)
@@ -292,6 +334,32 @@ def test_a_thd_pack_with_attention_dropout_runs_the_kernel_s_dropout(megatron_wo
     with_dropout = module(q, k, v, None, packed_seq_params=packed)
     assert with_dropout.shape == without.shape and torch.isfinite(with_dropout).all()
     assert not torch.allclose(with_dropout, without)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_half_precision_without_a_fast_gemm_computes_in_fp32(fp32_products, case, dtype):
+    """On a CPU without a fast GEMM for the dtype, Megatron's materialised scores would run torch's scalar
+    GEMM: a plain causal call runs ascendspeed's flash kernel in the dtype (fp32 sums), any other mask torch's
+    flash kernel in fp32; both against float64."""
+    heads, groups, head_dim, mask_type, mask, q, k, v, grad = case_inputs(case, dtype)
+    sq, sk = q.shape[0], k.shape[0]
+    module = attention(heads, groups, head_dim, dtype, mask_type)
+    out, grads, ran = run(module, q, k, v, mask, grad, kernels=True)
+    plan = mask_plan(mask_type == AttnMaskType.causal, mask, sq, sk)
+    expected_kernel = (OWN_KERNEL, {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half"}[dtype]) \
+        if plan.causal else (FUSED_KERNEL, "float")
+    assert ran == {expected_kernel}
+
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = reference(*leaves, mask if mask is not None or mask_type != AttnMaskType.causal else causal(sq, sk),
+                         module.softmax_scale)
+    expected.backward(grad.double())
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert mu.relative_error(out, expected) < TOLERANCES[dtype]
+    for actual, leaf in zip(grads, leaves):
+        assert actual.dtype == dtype
+        assert mu.relative_error(actual, leaf.grad) < 2 * TOLERANCES[dtype]
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])

@@ -344,7 +344,8 @@ def reference_gpt_loss(params: Dict[str, torch.Tensor], batch: dict, config: Tra
         v = v.repeat_interleave(heads // groups, dim=2).transpose(1, 2)
         scores = (q @ k.transpose(-1, -2)) / head_dim ** 0.5
         scores = scores.masked_fill(batch["attention_mask"], -10000.0)
-        context = (scores.float().softmax(dim=-1) @ v).transpose(1, 2).reshape(batch_size, seq, heads * head_dim)
+        probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+        context = (probs @ v).transpose(1, 2).reshape(batch_size, seq, heads * head_dim)
         x = x + linear(context, prefix + ".self_attention.linear_proj")
         hidden = linear(norm(x, prefix + ".pre_mlp_layernorm"), prefix + ".mlp.linear_fc1")
         if config.gated_linear_unit:
@@ -354,7 +355,8 @@ def reference_gpt_loss(params: Dict[str, torch.Tensor], batch: dict, config: Tra
             hidden = config.activation_func(hidden)
         x = x + linear(hidden, prefix + ".mlp.linear_fc2")
     logits = F.linear(norm(x, "decoder.final_layernorm"), params["output_layer.weight"])
-    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1),
                                 reduction="none")
     return masked_mean_loss(per_token, batch["loss_mask"])
 

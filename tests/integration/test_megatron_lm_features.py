@@ -700,9 +700,11 @@ def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_argument
 
 
 def test_bf16_on_a_cpu_without_a_bf16_gemm_is_told_in_validate_args(megatron_lm_arguments, monkeypatch, capsys):
-    """Megatron-LM with --bf16 on a CPU whose torch has no bf16 GEMM (no AVX-512) hears so before training."""
+    """Megatron-LM with --bf16 on a CPU whose torch has no bf16 GEMM (no AVX-512), told to keep torch's GEMM
+    (ASCENDSPEED_CPU_HALF_GEMM=native), hears so before training."""
     from ascendspeed.accelerator.cpu_features import has_fast_bf16_gemm
 
+    monkeypatch.setenv("ASCENDSPEED_CPU_HALF_GEMM", "native")
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, "--bf16"])
     args = megatron_lm_arguments.parse_args()
     megatron_lm_arguments.validate_args(args, {})

@@ -33,13 +33,16 @@ def test_a_megatron_lm_command_line_parses():
     assert args.data_path == ["corpus.txt"]
 
 
-def test_bf16_on_a_cpu_without_a_bf16_gemm_is_told_before_training(capsys, monkeypatch):
-    """Without AVX-512 torch's bf16 matmul is a scalar loop (bench/bf16_gemm.py): a --bf16 run on such a CPU
-    is told so once, on rank 0, with the fix; an fp32 run, another rank or a fast-bf16 CPU hears nothing."""
+@pytest.mark.parametrize("policy", ["native", "auto"])
+def test_bf16_on_a_cpu_without_a_bf16_gemm_is_told_before_training(capsys, monkeypatch, policy):
+    """Without AVX-512 torch's bf16 matmul is a scalar loop (bench/bf16_gemm.py), which ascendspeed replaces with
+    fp32 products unless ASCENDSPEED_CPU_HALF_GEMM=native: a --bf16 run on such a CPU with that setting is told
+    so once, on rank 0, with the fix; an fp32 run, another rank or a fast-bf16 CPU hears nothing."""
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("ASCENDSPEED_CPU_HALF_GEMM", policy)
     parse_args(["--bf16"], world_size=2, device="cpu")
     told = "no fast bf16 matrix multiply here" in capsys.readouterr().err
-    assert told == (not has_fast_bf16_gemm())
+    assert told == (policy == "native" and not has_fast_bf16_gemm())
     parse_args([], world_size=2, device="cpu")
     monkeypatch.setenv("RANK", "1")
     parse_args(["--bf16"], world_size=2, device="cpu")

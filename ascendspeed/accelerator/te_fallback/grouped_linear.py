@@ -33,6 +33,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ascendspeed import accelerator
+from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
 from ascendspeed.ops.grouped_linear import grouped_linear
 
 _WHERE = "ascendspeed's TE grouped-linear stand-in"
@@ -103,6 +104,8 @@ class LocalTEGroupedLinear(torch.nn.Module):
             if bias:
                 self.register_parameter(f"bias{g}", self._bias(device, use_expert_pgs))
         self.register_load_state_dict_pre_hook(_drop_per_expert_extra_states)
+        #: half-precision dtypes this CPU has no fast GEMM for (``accelerator.cpu_half_gemm``): multiplied in fp32
+        self._fp32_product_dtypes = widened_dtypes()
 
     def _bias(self, device, use_expert_pgs: bool) -> torch.nn.Parameter:
         bias = torch.nn.Parameter(torch.zeros(self.out_features, device=device, dtype=self.config.params_dtype))
@@ -125,7 +128,8 @@ class LocalTEGroupedLinear(torch.nn.Module):
         if isinstance(m_splits, torch.Tensor):
             m_splits = m_splits.tolist()
         add_bias = self.use_bias and not self.skip_bias_add
-        out = grouped_linear(x, self.weights, m_splits, self.biases if add_bias else None)
+        out = grouped_linear(x, self.weights, m_splits, self.biases if add_bias else None,
+                             fp32_products=x.device.type == "cpu" and x.dtype in self._fp32_product_dtypes)
         if self.use_bias and self.skip_bias_add:
             return out, self.biases
         return out, None

@@ -16,7 +16,9 @@ kernels do not reproduce), sliding windows,
 softmax offsets, query-key layer scaling, a causal mask between different query and key lengths, and
 masks that are not boolean; and on the CPU, bf16 and fp16, where torch's flash kernel is the slower one
 (``CPU_REDUCED_PRECISION``) except bf16 on CPUs with AMX from a few hundred tokens on
-(``AMX_FLASH_TOKENS_BY_HEAD_DIM``).
+(``AMX_FLASH_TOKENS_BY_HEAD_DIM``), and except on CPUs without a fast GEMM for the dtype (no AVX-512 for bf16),
+where Megatron's path runs torch's scalar half-precision GEMM: there the fused path computes in fp32
+(``fused_core_attention(..., fp32_gemms=True)``).
 
 A THD pack (``packed_seq_params``, Transformer Engine's format: [tokens, heads, d], sequences one after
 another) attends within each sequence, which Megatron's local path refuses: the pack's block-diagonal
@@ -42,7 +44,11 @@ from ascendspeed.patching import Patch, wrap
 
 @dataclasses.dataclass(frozen=True)
 class FusedAttentionSettings:
-    """The fused core attention has no options: ``config.attention_backend`` chooses per model."""
+    """``config.attention_backend`` chooses per model. ``cpu_fp32_gemm_dtypes``: the dtypes this CPU has no fast
+    GEMM for (``ascendspeed.accelerator.cpu_half_gemm``): there Megatron's materialised scores run torch's
+    scalar half-precision GEMM, and the fused path computes in fp32 instead (``fused_core_attention``)."""
+
+    cpu_fp32_gemm_dtypes: frozenset = frozenset()
 
 
 def mask_plan(causal_type: bool, attention_mask: Optional[torch.Tensor], sq: int, sk: int) -> Optional[MaskPlan]:
@@ -99,9 +105,10 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
+def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
     """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
-    if query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION:
+    if (query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION
+            or query.dtype in settings.cpu_fp32_gemm_dtypes):
         return False
     if query.dtype == torch.bfloat16 and cpu_has_amx_bf16():
         tokens = min(query.shape[0], key.shape[0])
@@ -109,31 +116,33 @@ def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor) -> bool:
     return True
 
 
-def wrap_attention_forward(original):
+def wrap_attention_forward(original, settings: FusedAttentionSettings):
     """Megatron's forward where the fused kernel would differ from it, the fused kernel everywhere else."""
 
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         reason = why_unfused(self, attention_mask, attention_bias, packed_seq_params)
+        fp32 = query.device.type == "cpu" and query.dtype in settings.cpu_fp32_gemm_dtypes
         if reason is None and packed_seq_params is not None and query.dim() == 3:
-            context = packed_core_attention(self, query, key, value, packed_seq_params)
+            context = packed_core_attention(self, query, key, value, packed_seq_params, fp32_gemms=fp32)
             if context is not None:
                 return context
         plan = None
-        if reason is None and packed_seq_params is None and not _megatron_is_faster(query, key):
+        if reason is None and packed_seq_params is None and not _megatron_is_faster(query, key, settings):
             plan = mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
         if plan is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                             packed_seq_params)
-        return fused_core_attention(self, query, key, value, plan)
+        return fused_core_attention(self, query, key, value, plan, fp32_gemms=fp32)
 
     return forward
 
 
 def patches(settings: FusedAttentionSettings) -> list[Patch]:
     return [
-        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward", wrap_attention_forward,
+        wrap("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+             functools.partial(wrap_attention_forward, settings=settings),
              expect="(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
                     "packed_seq_params=None)",
              name="fused_attention: core attention on the fused kernel where it computes Megatron's function"),

@@ -17,7 +17,9 @@ class FusedAttentionFeature(Feature[FusedAttentionSettings]):
         return attention_backend_name(getattr(args, "attention_backend", "auto")) in FUSED_ATTENTION_BACKENDS
 
     def settings(self, args: argparse.Namespace) -> FusedAttentionSettings:
-        return FusedAttentionSettings()
+        from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
+
+        return FusedAttentionSettings(cpu_fp32_gemm_dtypes=widened_dtypes())
 
     def patches(self, settings: FusedAttentionSettings, state=None):
         from ascendspeed.features.fused_attention import attention
