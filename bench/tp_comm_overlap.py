@@ -49,7 +49,7 @@ def model_flags(options) -> list:
         "--train-iters", "100000", "--lr-warmup-iters", "1", "--eval-iters", "1",
         "--eval-seq-lengths", str(options.seq_length), "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--use-ascend-coc", "--log-tp-comm-overlap",
-    ]
+    ] + (["--bf16"] if options.bf16 else [])
 
 
 def worker(options) -> None:
@@ -168,7 +168,8 @@ def launch(options, link: bool) -> dict:
 def forwarded(options) -> list:
     names = ("num_layers", "hidden_size", "heads", "seq_length", "micro_batch_size", "warmup", "steps")
     flags = [item for name in names for item in (f"--{name.replace('_', '-')}", str(getattr(options, name)))]
-    return flags + ["--chunks", *map(str, options.chunks)] + (["--timeline", options.timeline] if options.timeline else [])
+    flags += ["--chunks", *map(str, options.chunks)] + (["--bf16"] if options.bf16 else [])
+    return flags + (["--timeline", options.timeline] if options.timeline else [])
 
 
 def analyse(measured: dict, q: float = 0.5) -> dict:
@@ -290,6 +291,9 @@ def parse(argv=None):
     parser.add_argument("--seq-length", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--bf16", action="store_true",
+                        help="train in bf16 (on a CPU without a fast bf16 GEMM both sides multiply in fp32, see "
+                        "docs/training.md)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None, help="write the numbers and the raw steps here")

@@ -19,11 +19,13 @@ def cpu_flags() -> frozenset[str]:
 
 def has_fast_bf16_gemm() -> bool:
     """Whether torch multiplies bf16 matrices on this CPU with oneDNN (which needs AVX-512; AVX512-BF16 and
-    AMX make it faster still), torch's own answer (``torch.ops.mkldnn._is_mkldnn_bf16_supported``). Elsewhere
-    torch's bf16 matmul is a scalar fallback loop."""
+    AMX make it faster still), torch's own answer (``cpu_half_gemm.slow_half_gemm_dtypes``). Elsewhere torch's
+    bf16 matmul is a scalar fallback loop."""
     import torch
 
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from ascendspeed.accelerator.cpu_half_gemm import slow_half_gemm_dtypes
+
+    return torch.bfloat16 not in slow_half_gemm_dtypes()
 
 
 def slow_bf16_warning(flag: str = "--bf16") -> Optional[str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Callable, FrozenSet, Iterable, Tuple
+from typing import Callable, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ HALF_DTYPES = frozenset((torch.bfloat16, torch.float16))
 def slow_half_gemm_dtypes() -> FrozenSet[torch.dtype]:
     """The half-precision dtypes torch has no fast (oneDNN) GEMM for on this CPU."""
     if not torch.backends.mkldnn.is_available():
-        return frozenset(HALF_DTYPES)
+        return HALF_DTYPES
     fast = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
             torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported()}
     return frozenset(dtype for dtype, supported in fast.items() if not supported)
@@ -50,7 +50,7 @@ def widened_dtypes() -> FrozenSet[torch.dtype]:
                          f"{', '.join(POLICIES)} (auto widens only where this CPU has no fast bf16 / fp16 GEMM)")
     if policy == "native":
         return frozenset()
-    return frozenset(HALF_DTYPES) if policy == "fp32" else slow_half_gemm_dtypes()
+    return HALF_DTYPES if policy == "fp32" else slow_half_gemm_dtypes()
 
 
 class _Narrowed:
@@ -91,6 +91,15 @@ def saved_as_originals(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]):
         yield
 
 
+@contextlib.contextmanager
+def fp32_copies(*tensors: Optional[torch.Tensor]):
+    """fp32 copies of ``tensors`` (None stays None), which autograd saves, while the block runs, as the tensors
+    they were widened from (``saved_as_originals``): the widening pattern of every half-precision GEMM here."""
+    wide = [None if tensor is None else tensor.float() for tensor in tensors]
+    with saved_as_originals((copy, tensor) for copy, tensor in zip(wide, tensors) if tensor is not None):
+        yield wide
+
+
 def wrap_in_fp32_gemm(original: Callable, widened: FrozenSet[torch.dtype]) -> Callable:
     """``original`` (a Megatron linear function: ``(input, weight, bias, gradient_accumulation_fusion, ...)``)
     run on fp32 copies of its tensors when the input is CPU-resident and of a dtype in ``widened``, the output
@@ -102,10 +111,8 @@ def wrap_in_fp32_gemm(original: Callable, widened: FrozenSet[torch.dtype]) -> Ca
         if (input.dtype not in widened or input.device.type != "cpu" or weight.dtype != input.dtype
                 or gradient_accumulation_fusion):
             return original(input, weight, bias, gradient_accumulation_fusion, *args, **kwargs)
-        wide_input, wide_weight = input.float(), weight.float()
-        with saved_as_originals(((wide_input, input), (wide_weight, weight))):
-            output = original(wide_input, wide_weight, None if bias is None else bias.float(),
-                              gradient_accumulation_fusion, *args, **kwargs)
+        with fp32_copies(input, weight, bias) as (wide_input, wide_weight, wide_bias):
+            output = original(wide_input, wide_weight, wide_bias, gradient_accumulation_fusion, *args, **kwargs)
         return output.to(input.dtype)
 
     return linear

@@ -102,16 +102,15 @@ def _attention_with_fp32_products(q, k, v, plan: MaskPlan, scale: float, dropout
     would multiply its blocks with the scalar fallback GEMM): a causal call without dropout on ascendspeed's flash
     kernel (``alibi_flash_attention`` with zero slopes: products of the half-precision values summed in fp32,
     softmax in fp32, the output rounded once), anything else on torch's kernel over fp32 copies, which backward
-    gets back from the half-precision originals (``saved_as_originals``); the output rounded once."""
+    gets back from the half-precision originals (``fp32_copies``); the output rounded once."""
     if plan.causal and plan.allowed is None and dropout_p == 0 and q.shape[2] == k.shape[2]:
         from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
 
         slopes = torch.zeros(q.shape[1], dtype=torch.float32, device=q.device)
         return alibi_flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), slopes, scale=scale)
-    from ascendspeed.accelerator.cpu_half_gemm import saved_as_originals
+    from ascendspeed.accelerator.cpu_half_gemm import fp32_copies
 
-    wide = [t.float() for t in (q, k, v)]
-    with saved_as_originals(zip(wide, (q, k, v))):
+    with fp32_copies(q, k, v) as wide:
         out = F.scaled_dot_product_attention(*wide, attn_mask=plan.allowed, is_causal=plan.causal,
                                              dropout_p=dropout_p, scale=scale)
     return out.to(q.dtype)

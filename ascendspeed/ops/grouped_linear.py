@@ -44,11 +44,11 @@ def grouped_linear(
     rows = x.reshape(-1, x.size(-1))
     weights, biases, m_splits = list(weights), list(biases or ()), [int(m) for m in m_splits]
     if fp32_products and rows.dtype in (torch.bfloat16, torch.float16):
-        from ascendspeed.accelerator.cpu_half_gemm import saved_as_originals
+        from ascendspeed.accelerator.cpu_half_gemm import fp32_copies
 
-        wide = [t.float() for t in (rows, *weights)]
-        with saved_as_originals(zip(wide, (rows, *weights))):
-            y = torch.ops.ascendspeed.grouped_linear(wide[0], wide[1:], [b.float() for b in biases], m_splits)
+        with fp32_copies(rows, *weights, *biases) as wide:
+            wide_weights = wide[1:1 + len(weights)]
+            y = torch.ops.ascendspeed.grouped_linear(wide[0], wide_weights, wide[1 + len(weights):], m_splits)
         y = y.to(rows.dtype)
     else:
         y = torch.ops.ascendspeed.grouped_linear(rows, weights, biases, m_splits)

@@ -362,6 +362,37 @@ def test_half_precision_without_a_fast_gemm_computes_in_fp32(fp32_products, case
         assert mu.relative_error(actual, leaf.grad) < 2 * TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("te_stand_in", [False, True], ids=["local", "te-stand-in"])
+def test_a_half_precision_thd_pack_without_a_fast_gemm_computes_in_fp32(fp32_products, te_stand_in, dtype):
+    """A THD pack on a CPU without a fast GEMM for the dtype, in megatron-core's local attention and in the
+    Transformer Engine stand-in (which serves packs itself): torch's flash kernel on fp32 copies, against
+    float64."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ascendspeed.accelerator.te_fallback.modules import LocalTEDotProductAttention
+
+    heads, groups, head_dim, bounds, total = 4, 2, 8, [0, 5, 12, 20], 20
+    module = attention(heads, groups, head_dim, dtype)
+    if te_stand_in:
+        with half_gemm_policy("fp32"):
+            module = LocalTEDotProductAttention(module.config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                                attention_type="self")
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=8, max_seqlen_kv=8)
+    with torch.autograd.profiler.profile(record_shapes=True) as profile:
+        (q, k, v), out, grad, leaves = _run_pack(module, packed, total, heads, groups, head_dim, dtype)
+    assert {(event.name, event.input_dtypes[0]) for event in profile.function_events
+            if event.name in (FUSED_KERNEL, OWN_KERNEL)} == {(FUSED_KERNEL, "float")}
+    expected = torch.cat([reference(*(t[start:end].unsqueeze(1) for t in leaves), causal(end - start, end - start),
+                                    module.softmax_scale) for start, end in zip(bounds, bounds[1:])]).squeeze(1)
+    expected.backward(grad.double())
+    assert out.dtype == dtype and mu.relative_error(out, expected) < TOLERANCES[dtype]
+    for actual, leaf in zip((q, k, v), leaves):
+        assert actual.grad.dtype == dtype and mu.relative_error(actual.grad, leaf.grad) < 2 * TOLERANCES[dtype]
+
+
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 @pytest.mark.parametrize("tokens,head_dim", [(256, 64), (128, 64), (512, 32), (256, 32)])
 def test_bf16_on_the_cpu_takes_the_flash_kernel_where_amx_makes_it_the_faster(megatron_world, monkeypatch, amx,

@@ -4,11 +4,14 @@ One job serves every case. The four chunked linears are checked against a float6
 (unsharded) layer, forward and backward, in fp32 and bf16, on shapes whose sequence does and does not divide
 into the chunks (and has fewer rows than chunks), and against megatron-core's own unchunked linear in the
 same dtype (fp32: 1e-6; not always to the bit: the BLAS blocks a GEMM of fewer rows differently, and a weight
-gradient summed over chunks adds in another order). Then a tiny GPT with TP2, with and without sequence parallelism, local and TE spec, trains one
-step with CoC at every ``--coc-parallel-num`` and matches plain TP2 in loss and every gradient (1e-6), while
-the telemetry counts the collectives the chunks issued. Last, full recompute with TP2 + SP and dropout at
-``--optimize-recomp-communication-level`` 1 and 2, with and without CoC, gives plain full recompute's losses
-and gradients, and the counted collectives drop by exactly the ones each level leaves out.
+gradient summed over chunks adds in another order); in bf16 and fp16 with ``fp32_products`` (CPUs without a
+fast half-precision GEMM), only fp32 products, compared bit for bit with the fp32 kernel rounded once. Then a
+tiny GPT with TP2, with and without sequence parallelism, local and TE spec, trains one step with CoC at every
+``--coc-parallel-num`` and matches plain TP2 in loss and every gradient (1e-6), while the telemetry counts the
+collectives the chunks issued; a bf16 one with the fp32 products matches plain TP2 in bf16. Last, full
+recompute with TP2 + SP and dropout at ``--optimize-recomp-communication-level`` 1 and 2, with and without CoC,
+gives plain full recompute's losses and gradients, and the counted collectives drop by exactly the ones each
+level leaves out.
 """
 import argparse
 
@@ -72,20 +75,20 @@ def _local_problem(kind, full, rank, world, rows):
                 grad_w=g.reshape(-1, g.size(-1)).t() @ x_cols.reshape(-1, width))
 
 
-def _run_chunked(kind, problem, dtype, chunks, group):
+def _run_chunked(kind, problem, dtype, chunks, group, fp32_products=False):
     from ascendspeed.features.tp_comm_overlap import chunked
 
     x = problem["x"].to(dtype).requires_grad_()
     w = problem["w"].to(dtype).requires_grad_()
     b = problem["b"].to(dtype).requires_grad_() if problem["b"] is not None else None
     if kind == "column_sp":
-        out = chunked.AllGatherMatmul.apply(x, w, b, group, chunks, None)
+        out = chunked.AllGatherMatmul.apply(x, w, b, group, chunks, None, False, fp32_products)
     elif kind == "column":
-        out = chunked.MatmulAllReduceInputGrad.apply(x, w, b, group, chunks, None)
+        out = chunked.MatmulAllReduceInputGrad.apply(x, w, b, group, chunks, None, fp32_products)
     elif kind == "row_sp":
-        out = chunked.MatmulReduceScatter.apply(x, w, group, chunks, None)
+        out = chunked.MatmulReduceScatter.apply(x, w, group, chunks, None, fp32_products)
     else:
-        out = chunked.MatmulAllReduce.apply(x, w, group, chunks, None)
+        out = chunked.MatmulAllReduce.apply(x, w, group, chunks, None, fp32_products)
     out.backward(problem["g"].to(dtype))
     return out.detach(), x.grad, w.grad, (b.grad if b is not None else None)
 
@@ -144,6 +147,95 @@ def _operator_cases(rank, world):
                     }
     mu.destroy_parallel()
     return results
+
+
+HALF_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+#: what no collective sums after the rounding, so equal to the fp32 kernel's result rounded once, per kind
+ROUNDED_ONCE = {"column_sp": ("output", "weight grad"), "column": ("output", "weight grad"),
+                "row_sp": ("input grad", "weight grad"), "row": ("input grad", "weight grad")}
+
+
+def gemm_operand_dtypes(profile) -> list:
+    """The dtypes of the matrix operands of every aten::mm / addmm / bmm the profile recorded."""
+    return sorted({dtype for event in profile.events() if event.name in ("aten::mm", "aten::addmm", "aten::bmm")
+                   for dtype in event.input_dtypes if dtype})
+
+
+def _half_precision_cases(rank, world):
+    """Each chunked linear in bf16 and fp16 with ``fp32_products`` (a CPU without a fast GEMM for the dtype):
+    the GEMM operand dtypes the profiler saw, the error against float64, and which results equal the fp32
+    kernel's on the same values, rounded once."""
+    from ascendspeed.features.tp_comm_overlap.collectives import TpGroup
+
+    from megatron.core import parallel_state
+
+    from tests.helpers import megatron as mu
+
+    mu.initialize_parallel(tp=world)
+    group = TpGroup.of(parallel_state.get_tensor_model_parallel_group())
+    names = ("output", "input grad", "weight grad", "bias grad")
+    results, seed = {}, 100
+    for kind in KINDS:
+        for dtype in HALF_TOLERANCE:
+            seed += 1
+            full = _global_inputs(kind, SHAPES[1], world, dtype, seed)
+            problem = _local_problem(kind, full, rank, world, SHAPES[1][0])
+            # the inputs as the dtype holds them, so the fp32 kernel multiplies the same values
+            problem.update({name: problem[name].to(dtype).double() for name in ("x", "w", "b", "g")
+                            if problem.get(name) is not None})
+            expected = (problem["out"], problem["grad_x"], problem["grad_w"], problem.get("grad_b"))
+            for chunks in (1, 4):
+                with torch.profiler.profile(record_shapes=True) as profile:
+                    found = _run_chunked(kind, problem, dtype, chunks, group, fp32_products=True)
+                wide = _run_chunked(kind, problem, torch.float32, chunks, group)
+                results[(kind, str(dtype), chunks)] = {
+                    "gemm_dtypes": gemm_operand_dtypes(profile),
+                    "dtypes": {name: str(a.dtype) for name, a in zip(names, found) if a is not None},
+                    "error": {name: _relative(a, e) for name, a, e in zip(names, found, expected) if e is not None},
+                    "rounded_once": {name: torch.equal(a, w.to(dtype)) for name, a, w in zip(names, found, wide)
+                                     if name in ROUNDED_ONCE[kind]},
+                }
+    mu.destroy_parallel()
+    return results
+
+
+def _half_precision_gpt(rank, world):
+    """A bf16 GPT with TP 2 + SP on a CPU without a fast bf16 GEMM (``ASCENDSPEED_CPU_HALF_GEMM=fp32``), with
+    and without CoC: the GEMM operand dtypes of the CoC step, and its losses and gradients against plain TP."""
+    import os
+
+    from ascendspeed import accelerator
+    from ascendspeed.accelerator import cpu_half_gemm
+    from ascendspeed.patching import MANAGER
+
+    from tests.helpers import megatron as mu
+
+    os.environ[cpu_half_gemm.ENVIRONMENT_VARIABLE] = "fp32"
+    MANAGER.revert(accelerator.CPU_HALF_GEMM_FEATURE)
+    MANAGER.apply(accelerator.CPU_HALF_GEMM_FEATURE, accelerator.cpu_half_gemm_patches())
+    shape = mu.TinyGPT(seq_length=16)
+    batch = mu.make_batch(shape, batch_size=2 * shape.micro_batch_size)
+    runs = {}
+    for chunks in (None, 2):
+        coc = {} if chunks is None else dict(use_ascend_coc=True, coc_parallel_num=chunks)
+        disable_features()
+        enable_features(tensor_model_parallel_size=2, sequence_parallel=True, **coc)
+        mu.initialize_parallel(tp=2)
+        config = shape.config(sequence_parallel=True, add_bias_linear=True, bf16=True, params_dtype=torch.bfloat16,
+                              pipeline_dtype=torch.bfloat16)
+        ddp = mu.wrap_ddp(mu.build_model_chunks(config, shape))
+        with torch.profiler.profile(record_shapes=True) as profile:
+            losses = torch.stack(mu.run_forward_backward(ddp, batch, shape))
+        runs[chunks] = {"losses": losses, "gemm_dtypes": gemm_operand_dtypes(profile),
+                        "grads": {name: param.main_grad.clone() for name, param in mu.named_parameters_full(ddp)}}
+        mu.destroy_parallel()
+    disable_features()
+    del os.environ[cpu_half_gemm.ENVIRONMENT_VARIABLE]
+    MANAGER.revert(accelerator.CPU_HALF_GEMM_FEATURE)
+    MANAGER.apply(accelerator.CPU_HALF_GEMM_FEATURE, accelerator.cpu_half_gemm_patches())
+    plain, coc = runs[None], runs[2]
+    return {"gemm_dtypes": coc["gemm_dtypes"], "loss_error": mu.relative_error(coc["losses"], plain["losses"]),
+            "grad_errors": {name: mu.relative_error(grad, plain["grads"][name]) for name, grad in coc["grads"].items()}}
 
 
 GPT_CASES = {
@@ -237,8 +329,9 @@ def _recompute_cases(rank, world):
 
 
 def _job(rank, world):
-    return {"operators": _operator_cases(rank, world), "gpt": _gpt_cases(rank, world),
-            "recompute": _recompute_cases(rank, world)}
+    return {"operators": _operator_cases(rank, world), "half": _half_precision_cases(rank, world),
+            "gpt": _gpt_cases(rank, world), "recompute": _recompute_cases(rank, world),
+            "half_gpt": _half_precision_gpt(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +353,32 @@ def test_chunked_linears_match_a_float64_reference_and_megatron(job, kind):
             if dtype == "torch.float32":
                 worst = max(result["vs_megatron"], key=result["vs_megatron"].get)
                 assert result["vs_megatron"][worst] <= 1e-6, f"{where}: {worst} vs megatron-core"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_half_precision_without_a_fast_gemm_multiplies_in_fp32(job, kind):
+    """With ``fp32_products`` only fp32 products run; what no collective sums after the rounding equals the fp32
+    kernel's result on the same values rounded once, bit for bit; everything is close to float64."""
+    for rank, results in enumerate(job):
+        for (case_kind, dtype, chunks), result in results["half"].items():
+            if case_kind != kind:
+                continue
+            where = f"rank {rank} {kind} {dtype} {chunks} chunks"
+            assert result["gemm_dtypes"] == ["float"], f"{where}: {result['gemm_dtypes']}"
+            assert set(result["dtypes"].values()) == {dtype}, f"{where}: {result['dtypes']}"
+            assert all(result["rounded_once"].values()), f"{where}: {result['rounded_once']}"
+            tolerance = HALF_TOLERANCE[getattr(torch, dtype.split(".")[-1])]
+            for name, error in result["error"].items():
+                assert error <= tolerance, f"{where}: {name} {error:.2e}"
+
+
+def test_bf16_gpt_with_coc_multiplies_in_fp32_where_the_cpu_has_no_fast_bf16_gemm(job):
+    for rank, results in enumerate(job):
+        result = results["half_gpt"]
+        assert result["gemm_dtypes"] == ["float"], f"rank {rank}: {result['gemm_dtypes']}"
+        assert result["loss_error"] <= 1e-2, f"rank {rank}: loss {result['loss_error']:.2e}"
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= 2e-2, f"rank {rank}: {worst} {result['grad_errors'][worst]:.2e}"
 
 
 def test_every_chunk_issues_its_own_collectives(job):

@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
 from ascendspeed.features.local_mla.attention import set_head_sizes
 from ascendspeed.features.local_norm.norm import LocalNorm
 from ascendspeed.ops.core_attention import packed_core_attention
@@ -272,6 +273,7 @@ class LocalTEDotProductAttention(DotProductAttention):
             self.te_context_parallel = megatron_attention.attach_context_parallel(
                 self, config, settings, megatron_attention.ContextParallelState(), pg_collection, causal_layer=True)
         set_head_sizes(self, k_channels, v_channels, softmax_scale)
+        self._fp32_product_dtypes = widened_dtypes()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, num_splits=None):
@@ -284,8 +286,10 @@ class LocalTEDotProductAttention(DotProductAttention):
             return context_parallel(self, query, key, value, attention_mask, packed_seq_params)
         if packed_seq_params is not None and query.dim() == 3 and attention_bias is None:
             # TE's THD packs, which megatron-core's local attention refuses: on the fused kernel, with the
-            # pack's block-diagonal mask (ascendspeed.ops.core_attention).
-            context = packed_core_attention(self, query, key, value, packed_seq_params)
+            # pack's block-diagonal mask (ascendspeed.ops.core_attention), products in fp32 where this CPU has no
+            # fast GEMM for the dtype.
+            fp32_gemms = query.device.type == "cpu" and query.dtype in self._fp32_product_dtypes
+            context = packed_core_attention(self, query, key, value, packed_seq_params, fp32_gemms=fp32_gemms)
             if context is not None:
                 return context
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,

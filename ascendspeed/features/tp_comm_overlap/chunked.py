@@ -20,6 +20,11 @@ rows of the whole sequence in rank order.
 Every element of an output or input gradient is computed as in the unchunked layer (the same dot product,
 the same sum over ranks), so those are equal to it; a weight gradient that is summed over chunks adds the
 chunks' partial sums in another order than one GEMM does, so it equals the unchunked one to rounding.
+
+``fp32_products`` (every kernel's last argument): the operands are in a half-precision dtype this CPU has no
+fast GEMM for (``ascendspeed.accelerator.cpu_half_gemm``), so every product multiplies fp32 copies of the same
+values and is rounded once to the dtype, before it is communicated or stored, as the unchunked layer rounds it;
+the weight is widened once per call, not per chunk, and what is saved for backward stays in half precision.
 """
 from __future__ import annotations
 
@@ -42,6 +47,20 @@ def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _matmul(a: torch.Tensor, b: torch.Tensor, fp32_products: bool, out: Optional[torch.Tensor] = None):
+    """``a @ b`` (into ``out`` if given); with ``fp32_products`` the product of fp32 copies, rounded once to
+    ``a``'s dtype. ``b`` may have been widened already (``.float()`` of an fp32 tensor is the tensor)."""
+    if not fp32_products:
+        return torch.matmul(a, b, out=out)
+    product = torch.matmul(a.float(), b.float())
+    return product.to(a.dtype) if out is None else out.copy_(product)
+
+
+def _weight_operand(weight: torch.Tensor, fp32_products: bool) -> torch.Tensor:
+    """The weight as every chunk's GEMM takes it: widened once per call with ``fp32_products``."""
+    return weight.float() if fp32_products else weight
+
+
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as a matrix of its last dimension's vectors."""
     return tensor.reshape(-1, tensor.size(-1))
@@ -53,15 +72,18 @@ class WeightGradient:
     With gradient-accumulation fusion (``main_grad`` given) each chunk is added to ``main_grad`` and the
     autograd gradient follows megatron-core's convention (a placeholder when the parameter carries
     ``grad_added_to_main_grad``, else None). Otherwise fp32 sums in place; a half-precision gradient is
-    summed in fp32 and rounded once.
+    summed in fp32 and rounded once (with ``fp32_products`` each chunk's product is already fp32).
     """
 
-    def __init__(self, weight: torch.Tensor, main_grad: Optional[torch.Tensor]):
+    def __init__(self, weight: torch.Tensor, main_grad: Optional[torch.Tensor], fp32_products: bool = False):
         self.weight = weight
         self.main_grad = main_grad
+        self.fp32_products = fp32_products
         self.total: Optional[torch.Tensor] = None
 
     def add(self, grad_rows: torch.Tensor, input_rows: torch.Tensor) -> None:
+        if self.fp32_products:
+            grad_rows, input_rows = grad_rows.float(), input_rows.float()
         part = torch.mm(grad_rows.t(), input_rows)
         if self.main_grad is not None:
             self.main_grad.add_(part)
@@ -81,10 +103,15 @@ class WeightGradient:
         return make(self.main_grad.shape, dtype=weight.dtype, device=weight.device)
 
 
-def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The product, then the bias, as megatron-core's linear computes them (a fused add rounds otherwise)."""
-    output = torch.matmul(input, weight.t())
-    return output + bias if bias is not None else output
+def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            fp32_products: bool = False) -> torch.Tensor:
+    """The product, then the bias, as megatron-core's linear computes them (a fused add rounds otherwise); with
+    ``fp32_products`` both in fp32 and the sum rounded once, as the fp32 GEMMs of ``cpu_half_gemm`` do."""
+    if not fp32_products:
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+    output = torch.matmul(input.float(), weight.float().t())
+    return (output + bias.float() if bias is not None else output).to(input.dtype)
 
 
 def _bias_grad(grad_output: torch.Tensor, needed: bool) -> Optional[torch.Tensor]:
@@ -95,7 +122,8 @@ class AllGatherMatmul(torch.autograd.Function):
     """``all_gather(input) @ weight.T + bias`` for a column-parallel linear with sequence parallelism."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad, keep_gathered: bool = False):
+    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad, keep_gathered: bool = False,
+                fp32_products: bool = False):
         rows = input.size(0)
         bounds = chunk_bounds(rows, chunks)
         gathered = [input.new_empty((group.size, stop - start) + input.shape[1:]) for start, stop in bounds]
@@ -103,11 +131,13 @@ class AllGatherMatmul(torch.autograd.Function):
                    for buffer, (start, stop) in zip(gathered, bounds)]
         output = input.new_empty((group.size * rows,) + input.shape[1:-1] + (weight.size(0),))
         blocks = output.view((group.size, rows) + output.shape[1:])
+        operand = _weight_operand(weight, fp32_products)
         for buffer, (start, stop), collective in zip(gathered, bounds, pending):
             collective.wait()
-            blocks[:, start:stop] = _linear(buffer, weight, bias)
+            blocks[:, start:stop] = _linear(buffer, operand, bias, fp32_products)
         ctx.save_for_backward(input, weight)
         ctx.group, ctx.bounds, ctx.main_grad, ctx.use_bias = group, bounds, main_grad, bias is not None
+        ctx.fp32_products = fp32_products
         ctx.gathered = gathered if keep_gathered else None
         return output
 
@@ -128,12 +158,13 @@ class AllGatherMatmul(torch.autograd.Function):
         grad_input, scattering = None, []
         if needs_input:
             grad_input = torch.empty_like(input)
+            operand = _weight_operand(weight, ctx.fp32_products)
             for start, stop in bounds:
-                partial = torch.matmul(grad_output[:, start:stop], weight)
+                partial = _matmul(grad_output[:, start:stop], operand, ctx.fp32_products)
                 scattering.append(reduce_scatter(grad_input[start:stop], partial, group))
         grad_weight = None
         if needs_weight:
-            accumulated = WeightGradient(weight, ctx.main_grad)
+            accumulated = WeightGradient(weight, ctx.main_grad, ctx.fp32_products)
             for buffer, (start, stop), collective in zip(gathered, bounds, gathering):
                 if collective is not None:
                     collective.wait()
@@ -143,26 +174,26 @@ class AllGatherMatmul(torch.autograd.Function):
         for collective in scattering:
             collective.wait()
         ctx.gathered = None
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 class MatmulReduceScatter(torch.autograd.Function):
     """``reduce_scatter(input @ weight.T)`` for a row-parallel linear with sequence parallelism."""
 
     @staticmethod
-    def forward(ctx, input, weight, group: TpGroup, chunks: int, main_grad):
+    def forward(ctx, input, weight, group: TpGroup, chunks: int, main_grad, fp32_products: bool = False):
         rows = input.size(0) // group.size
         bounds = chunk_bounds(rows, chunks)
         shards = input.view((group.size, rows) + input.shape[1:])
         output = input.new_empty((rows,) + input.shape[1:-1] + (weight.size(0),))
-        pending = []
+        pending, operand = [], _weight_operand(weight, fp32_products).t()
         for start, stop in bounds:
-            partial = torch.matmul(shards[:, start:stop], weight.t())
+            partial = _matmul(shards[:, start:stop], operand, fp32_products)
             pending.append(reduce_scatter(output[start:stop], partial, group))
         for collective in pending:
             collective.wait()
         ctx.save_for_backward(input, weight)
-        ctx.group, ctx.bounds, ctx.main_grad = group, bounds, main_grad
+        ctx.group, ctx.bounds, ctx.main_grad, ctx.fp32_products = group, bounds, main_grad, fp32_products
         return output
 
     @staticmethod
@@ -178,42 +209,43 @@ class MatmulReduceScatter(torch.autograd.Function):
         needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_input = torch.empty_like(input) if needs_input else None
         grad_shards = grad_input.view_as(shards) if needs_input else None
-        accumulated = WeightGradient(weight, ctx.main_grad) if needs_weight else None
+        accumulated = WeightGradient(weight, ctx.main_grad, ctx.fp32_products) if needs_weight else None
+        operand = _weight_operand(weight, ctx.fp32_products) if needs_input else None
         for buffer, (start, stop), collective in zip(gathered, bounds, gathering):
             collective.wait()
             if needs_input:
-                grad_shards[:, start:stop] = torch.matmul(buffer, weight)
+                grad_shards[:, start:stop] = _matmul(buffer, operand, ctx.fp32_products)
             if needs_weight:
                 accumulated.add(_rows(buffer), _rows(shards[:, start:stop]))
-        return grad_input, accumulated.result() if needs_weight else None, None, None, None
+        return grad_input, accumulated.result() if needs_weight else None, None, None, None, None
 
 
 class MatmulAllReduce(torch.autograd.Function):
     """``all_reduce(input @ weight.T)`` for a row-parallel linear without sequence parallelism."""
 
     @staticmethod
-    def forward(ctx, input, weight, group: TpGroup, chunks: int, main_grad):
+    def forward(ctx, input, weight, group: TpGroup, chunks: int, main_grad, fp32_products: bool = False):
         output = input.new_empty(input.shape[:-1] + (weight.size(0),))
-        pending = []
+        pending, operand = [], _weight_operand(weight, fp32_products).t()
         for start, stop in chunk_bounds(input.size(0), chunks):
-            torch.matmul(input[start:stop], weight.t(), out=output[start:stop])
+            _matmul(input[start:stop], operand, fp32_products, out=output[start:stop])
             pending.append(all_reduce(output[start:stop], group))
         for collective in pending:
             collective.wait()
         ctx.save_for_backward(input, weight)
-        ctx.main_grad = main_grad
+        ctx.main_grad, ctx.fp32_products = main_grad, fp32_products
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        grad_input = torch.matmul(grad_output, weight) if ctx.needs_input_grad[0] else None
+        grad_input = _matmul(grad_output, weight, ctx.fp32_products) if ctx.needs_input_grad[0] else None
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            accumulated = WeightGradient(weight, ctx.main_grad)
+            accumulated = WeightGradient(weight, ctx.main_grad, ctx.fp32_products)
             accumulated.add(_rows(grad_output), _rows(input))
             grad_weight = accumulated.result()
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 class MatmulAllReduceInputGrad(torch.autograd.Function):
@@ -221,10 +253,11 @@ class MatmulAllReduceInputGrad(torch.autograd.Function):
     sequence parallelism (megatron-core's ``allreduce_dgrad``)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad):
+    def forward(ctx, input, weight, bias, group: TpGroup, chunks: int, main_grad, fp32_products: bool = False):
         ctx.save_for_backward(input, weight)
         ctx.group, ctx.chunks, ctx.main_grad, ctx.use_bias = group, chunks, main_grad, bias is not None
-        return _linear(input, weight, bias)
+        ctx.fp32_products = fp32_products
+        return _linear(input, weight, bias, fp32_products)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -232,15 +265,16 @@ class MatmulAllReduceInputGrad(torch.autograd.Function):
         grad_input, pending = None, []
         if ctx.needs_input_grad[0]:
             grad_input = input.new_empty(input.shape)
+            operand = _weight_operand(weight, ctx.fp32_products)
             for start, stop in chunk_bounds(input.size(0), ctx.chunks):
-                torch.matmul(grad_output[start:stop], weight, out=grad_input[start:stop])
+                _matmul(grad_output[start:stop], operand, ctx.fp32_products, out=grad_input[start:stop])
                 pending.append(all_reduce(grad_input[start:stop], ctx.group))
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            accumulated = WeightGradient(weight, ctx.main_grad)
+            accumulated = WeightGradient(weight, ctx.main_grad, ctx.fp32_products)
             accumulated.add(_rows(grad_output), _rows(input))
             grad_weight = accumulated.result()
         grad_bias = _bias_grad(grad_output, ctx.use_bias)
         for collective in pending:
             collective.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None

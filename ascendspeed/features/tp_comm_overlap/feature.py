@@ -141,6 +141,8 @@ class TpCommOverlapFeature(Feature[TpCommOverlapSettings]):
                 "--use-ascend-coc, the portable equivalent (the same overlap, chunked, on any device)")
 
     def settings(self, args: argparse.Namespace) -> TpCommOverlapSettings:
+        from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
+
         coc, mc2 = bool(getattr(args, "use_ascend_coc", False)), bool(getattr(args, "use_ascend_mc2", False))
         return TpCommOverlapSettings(
             overlap=coc or mc2,
@@ -148,6 +150,7 @@ class TpCommOverlapFeature(Feature[TpCommOverlapSettings]):
             mc2=mc2,
             recompute_level=_recompute_level(args),
             log_overlap=bool(getattr(args, "log_tp_comm_overlap", False)),
+            cpu_fp32_gemm_dtypes=widened_dtypes(),
         )
 
     def new_state(self, settings: TpCommOverlapSettings) -> TpCommState:

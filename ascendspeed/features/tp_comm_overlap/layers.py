@@ -34,6 +34,13 @@ def _main_grad(weight: torch.Tensor, gradient_accumulation_fusion: bool) -> Opti
     return weight.main_grad if gradient_accumulation_fusion and hasattr(weight, "main_grad") else None
 
 
+def _fp32_products(input: torch.Tensor, weight: torch.Tensor, settings: TpCommOverlapSettings) -> bool:
+    """Whether the chunked kernels multiply this layer's half-precision operands in fp32 (a CPU without a fast
+    GEMM for their dtype), as ``cpu_half_gemm`` has megatron-core's own linear functions do."""
+    return (input.device.type == "cpu" and input.dtype in settings.cpu_fp32_gemm_dtypes
+            and weight.dtype == input.dtype)
+
+
 def _offloading_activations(layer: torch.nn.Module) -> bool:
     context = getattr(layer.config, "_cpu_offloading_context", None)
     return context is not None and bool(getattr(context, "inside_context", False))
@@ -62,12 +69,15 @@ def wrap_column_parallel_forward_impl(settings: TpCommOverlapSettings) -> Callab
                 return original(self, input, weight, *args, **kwargs)
             bias = kwargs.get("bias")
             main_grad = _main_grad(weight, kwargs.get("gradient_accumulation_fusion", False))
+            fp32_products = _fp32_products(input, weight, settings)
             if not sequence_parallel:
-                return chunked.MatmulAllReduceInputGrad.apply(input, weight, bias, group, settings.chunks, main_grad)
+                return chunked.MatmulAllReduceInputGrad.apply(input, weight, bias, group, settings.chunks, main_grad,
+                                                              fp32_products)
             if settings.mc2 and not keep_gathered:
                 return mc2.AllGatherMatmul.apply(input, weight, bias, group)
             chunks = settings.chunks if settings.overlap and not settings.mc2 else 1
-            return chunked.AllGatherMatmul.apply(input, weight, bias, group, chunks, main_grad, keep_gathered)
+            return chunked.AllGatherMatmul.apply(input, weight, bias, group, chunks, main_grad, keep_gathered,
+                                                 fp32_products)
 
         return _forward_impl
 
@@ -99,7 +109,8 @@ def wrap_row_parallel_forward(settings: TpCommOverlapSettings) -> Callable:
             else:
                 kernel = chunked.MatmulReduceScatter if self.sequence_parallel else chunked.MatmulAllReduce
                 output = kernel.apply(input_, self.weight, group, settings.chunks,
-                                      _main_grad(self.weight, self.gradient_accumulation_fusion))
+                                      _main_grad(self.weight, self.gradient_accumulation_fusion),
+                                      _fp32_products(input_, self.weight, settings))
             if self.skip_bias_add:
                 return output, self.bias
             return (output + self.bias if self.bias is not None else output), None

@@ -23,7 +23,9 @@ class TpCommOverlapSettings:
     torch_npu's fused all-gather-matmul / matmul-reduce-scatter for the sequence-parallel linears, the chunked
     kernels for the others). ``chunks``: ``--coc-parallel-num``. ``recompute_level``:
     ``--optimize-recomp-communication-level`` (0: off). ``log_overlap``: ``--log-tp-comm-overlap``.
-    ``state``: what the application the patches are bound to keeps (not part of the settings' identity).
+    ``cpu_fp32_gemm_dtypes``: the half-precision dtypes the chunked kernels multiply in fp32 on a CPU (those it
+    has no fast GEMM for, ``ascendspeed.accelerator.cpu_half_gemm``). ``state``: what the application the
+    patches are bound to keeps (not part of the settings' identity).
     """
 
     overlap: bool = True
@@ -31,6 +33,7 @@ class TpCommOverlapSettings:
     mc2: bool = False
     recompute_level: int = 0
     log_overlap: bool = False
+    cpu_fp32_gemm_dtypes: frozenset = frozenset()
     state: TpCommState = dataclasses.field(default_factory=TpCommState, compare=False)
 
     @property
