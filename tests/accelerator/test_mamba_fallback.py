@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from tests.helpers import megatron as mu  # installs ascendspeed (CPU shims) before megatron is used
 from ascendspeed.accelerator import mamba_fallback
-from ascendspeed.accelerator.mamba_fallback import ssd
+from ascendspeed.accelerator.mamba_fallback import decode, ssd
 
 pytestmark = pytest.mark.skipif(not mamba_fallback.needed(), reason="mamba_ssm is installed")
 
@@ -180,3 +180,111 @@ def _mamba_layer(config):
 
         groups["pg_collection"] = ProcessGroupCollection.use_mpu_process_groups()
     return build_module(stack_spec.submodules.mamba_layer, config=config, layer_number=1, **groups)
+
+
+#: decode steps of 1 and several tokens (speculative drafts), for a sequence of 11
+STEPS = (1, 3, 1, 2, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_len", [4, 6])
+def test_causal_conv1d_update_steps_through_the_convolution(dtype, state_len):
+    """Token by token (and several at a time) from a zero state, the convolution state update gives the whole
+    sequence's causal convolution; each batch entry uses its slot, a negative slot is padding (zero output,
+    no state touched), and the intermediate states are the last ``state_len`` inputs after every token."""
+    generator = torch.Generator().manual_seed(state_len)
+    batch, length, channels, width = 3, sum(STEPS), 5, 4
+    x = torch.randn(batch, length, channels, dtype=torch.float64, generator=generator).to(dtype)
+    weight = torch.randn(channels, width, dtype=torch.float64, generator=generator).to(dtype)
+    bias = torch.randn(channels, dtype=torch.float64, generator=generator).to(dtype)
+    expected = ssd.causal_conv1d(x.double(), weight.double(), bias.double(), activation="silu")
+    slots = torch.tensor([2, -1, 0])
+    conv_state = torch.zeros(4, channels, state_len, dtype=dtype)
+    conv_state[3] = 7.0  # a slot nobody uses
+    start = 0
+    for size in STEPS:
+        chunk = x[:, start:start + size]
+        intermediate = torch.zeros(4, size, channels, state_len, dtype=dtype)
+        out = decode.causal_conv1d_update(chunk.squeeze(1) if size == 1 else chunk, conv_state, weight, bias, "silu",
+                                          slots, intermediate_conv_states=intermediate)
+        out = out.unsqueeze(1) if size == 1 else out
+        for entry, slot in ((0, 2), (2, 0)):
+            torch.testing.assert_close(out[entry].double(), expected[entry, start:start + size], **TOLERANCE[dtype])
+            history = F.pad(x[entry, :start + size].T, (state_len, 0))
+            for step in range(size):
+                end = start + step + 1 + state_len
+                assert torch.equal(intermediate[slot, step], history[:, end - state_len:end])
+            assert torch.equal(conv_state[slot], history[:, -state_len:])
+        assert not out[1].any()
+        start += size
+    assert not conv_state[1].any() and (conv_state[3] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_selective_state_update_steps_through_the_recurrence(shape, dtype):
+    """megatron-core's decode call (dt, dt_bias and D per head and channel, A expanded over the channels): step by
+    step from an initial state, every output and the state after every token equal the recurrence."""
+    inputs, _ = sample_inputs(shape, torch.float64, seed=sum(shape))
+    batch, length, heads, headdim, groups, d_state, _ = shape
+    length = min(length, sum(STEPS))
+    expected, _ = recurrence(*(inputs[n][:, :length] if n in ("x", "dt", "B", "C", "z") else inputs[n]
+                               for n in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")), None)
+    slots = torch.randperm(batch + 1, generator=torch.Generator().manual_seed(1))[:batch]
+    state = torch.zeros(batch + 1, heads, headdim, d_state, dtype=dtype)
+    state[slots] = inputs["initial_states"].to(dtype)
+    A = inputs["A"].to(dtype).view(-1, 1, 1).expand(heads, headdim, d_state)
+    dt_bias = inputs["dt_bias"][:, None].expand(heads, headdim)
+    D = inputs["D"][:, None].expand(heads, headdim) if inputs["D"].dim() == 1 else inputs["D"]
+    start, outputs = 0, []
+    while start < length:
+        size = min(STEPS[len(outputs) % len(STEPS)], length - start)
+        piece = {n: inputs[n][:, start:start + size].to(dtype) for n in ("x", "B", "C", "z")}
+        dt = inputs["dt"][:, start:start + size, :, None].expand(-1, -1, -1, headdim).to(dtype)
+        intermediate = torch.zeros(batch + 1, size, heads, headdim, d_state, dtype=dtype)
+        outputs.append(decode.selective_state_update(state, piece["x"], dt, A, piece["B"], piece["C"], D,
+                                                     z=piece["z"], dt_bias=dt_bias, dt_softplus=True,
+                                                     state_batch_indices=slots, intermediate_ssm_states=intermediate))
+        start += size
+        _, after = recurrence(*(inputs[n][:, :start] if n in ("x", "dt", "B", "C", "z") else inputs[n]
+                                for n in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")), None)
+        torch.testing.assert_close(intermediate[slots, -1].double(), after, **TOLERANCE[dtype])
+        torch.testing.assert_close(state[slots].double(), after, **TOLERANCE[dtype])
+    torch.testing.assert_close(torch.cat(outputs, dim=1).double(), expected, **TOLERANCE[dtype])
+
+
+def test_megatron_mamba_mixer_decodes_token_by_token_as_it_runs_the_sequence():
+    """Static-batching inference through megatron-core's MambaMixer: a prefill of the prompt, then one decode
+    step per token (megatron-core's conv and SSM steps, torch here), gives the outputs the whole sequence gets.
+    One sequence: from 0.17 megatron-core's static decode hands its [1, batch, d] projection to the step
+    kernels as one sequence of ``batch`` tokens, which only a batch of one survives (on CUDA as well)."""
+    import contextlib
+
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        from megatron.core.inference.utils import InferenceMode
+        inference_mode = InferenceMode.active
+    except ImportError:   # before 0.19: inference is a context outside training mode
+        inference_mode = contextlib.nullcontext
+
+    with mu.one_process_world():
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, mamba_state_dim=8,
+                                   mamba_head_dim=8, mamba_num_groups=2, use_cpu_initialization=True,
+                                   hidden_dropout=0.0, bias_dropout_fusion=False, params_dtype=torch.float32)
+        mixer = _mamba_layer(config).mixer.eval()
+        generator = torch.Generator().manual_seed(5)
+        length, prompt = 13, 5
+        hidden = torch.randn(length, 1, 32, generator=generator)
+        with torch.no_grad():
+            whole, _ = mixer(hidden)
+            context = StaticInferenceContext(max_batch_size=1, max_sequence_length=length)
+            outputs = []
+            with inference_mode():
+                for start, end in [(0, prompt)] + [(t, t + 1) for t in range(prompt, length)]:
+                    context.seqlen_offset = context.sequence_len_offset   # what megatron-core's Mamba stack sets
+                    out, _ = mixer(hidden[start:end], inference_context=context)
+                    outputs.append(out)
+                    context.sequence_len_offset += end - start
+    torch.testing.assert_close(torch.cat(outputs), whole, rtol=1e-5, atol=1e-5)
