@@ -1,7 +1,7 @@
 """The entry's training step against the same model written in plain PyTorch (issue 28).
 
     python bench/peer_step.py [--sizes small large] [--dtypes fp32 bf16] [--configs megatron_defaults default_job]
-                              [--rounds 5 --steps 6 --profile-steps 4] [--table ROWS] [--output FILE.json]
+                              [--rounds 24 --steps 1 --profile-steps 4] [--table ROWS] [--output FILE.json]
 
 Per size, dtype and entry configuration, one 2-rank gloo job (one thread per rank) builds both:
 
@@ -15,7 +15,9 @@ Per size, dtype and entry configuration, one 2-rank gloo job (one thread per ran
   ``DistributedDataParallel`` over gloo, ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the entry's
   hyper-parameters; bf16 is ``torch.autocast`` over fp32 parameters. Same batches, same parameter count.
 
-The two alternate in blocks of ``--steps`` steps for ``--rounds`` rounds (machine noise hits both alike);
+The two alternate in blocks of ``--steps`` steps for ``--rounds`` rounds (machine noise hits both alike; one
+step per block, the default, keeps the ratio within a few per cent between runs on a shared machine, where
+blocks of 4-6 steps moved it by up to 30 %);
 throughput is tokens per second over all ranks from the median step time. Then ``--profile-steps`` steps
 of each under torch.profiler give the per-phase breakdown (milliseconds per step, rank 0): forward,
 backward, gradient reduction (collectives, and Megatron's ``finalize_model_grads``), optimizer (clipping
@@ -275,8 +277,8 @@ def main(argv=None):
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=6, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=1, help="steps per timed block")
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--table", type=int, default=0, metavar="ROWS",
                         help="also print rank 0's profiled operators, the ROWS most expensive (self CPU time)")

@@ -10,7 +10,6 @@ import pytest
 
 from tests.helpers.compiled import with_torch_compile
 from tests.helpers.distributed import run_distributed
-from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +34,7 @@ MEGATRON_DEFAULTS = ("--position-embedding-type", "learned_absolute", "--no-swig
 @pytest.mark.parametrize("flags", [(), MEGATRON_DEFAULTS], ids=["default_job", "megatron_defaults"])
 def test_torchrun_two_processes_train_and_report(flags):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
         "--train-iters", "30", "--log-interval", "10", "--eval-interval", "15", "--eval-seq-lengths", "64", "128",
     ]

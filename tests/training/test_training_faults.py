@@ -17,7 +17,6 @@ import pytest
 
 from tests.helpers.checkpoints import stored_tensors
 from tests.helpers.distributed import run_distributed
-from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -332,7 +331,7 @@ def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
 
 def test_torchrun_exits_non_zero_with_one_line_on_divergence(tmp_path):
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "ascendspeed.training.pretrain_gpt", *TINY, "--train-iters", "12", "--lr", "1e30",
         "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"),
     ]
@@ -638,7 +637,7 @@ def test_a_save_directory_in_use_is_refused_and_a_failed_save_names_its_true_cau
 def _entry(tmp_path, *flags):
     """The entry under torchrun in its own session (so a test can signal the whole job)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "ascendspeed.training.pretrain_gpt", *TINY, *flags,
     ]
     env = dict(os.environ, ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1",
