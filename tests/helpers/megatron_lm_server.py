@@ -6,13 +6,15 @@ JSON request per line on stdin and answers one JSON line on stdout per job. A jo
 environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``), each rank's stdout and stderr in its own log (``<log>.<rank>``: ranks
 sharing one file interleave a line of one rank into an unterminated line of another), and torchrun's
-failure rule: when a rank fails, the others are stopped. Each rank is a fork of this server, which has done nothing but
+failure rule: when a rank fails, the others are stopped (a job whose rank 0 lost the probed rendezvous port to
+another process is started again on another). Each rank is a fork of this server, which has done nothing but
 imports, so it starts as a fresh interpreter would after ``import ascendspeed.megatron_adaptor`` and
 Megatron-LM's imports, without their ~8 s of CPU per rank.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import runpy
@@ -48,8 +50,8 @@ def _run_rank(rank: int, request: dict, port: int) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # the log, whatever the server's streams were
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
         world_size = request["processes"]
         os.environ.clear()
         os.environ.update(request["env"])
@@ -78,8 +80,31 @@ def _run_rank(rank: int, request: dict, port: int) -> None:
             os._exit(code)
 
 
+#: Times a job is started again when rank 0 could not bind the rendezvous port: it is probed free, then bound
+#: by rank 0 a moment later, and another process on the machine can take it in between.
+PORT_RETRIES = 3
+
+
+def _lost_the_port(request: dict) -> bool:
+    try:
+        with open(f"{request['log']}.0", errors="replace") as log:
+            return "EADDRINUSE" in log.read()
+    except FileNotFoundError:
+        return False
+
+
 def _run_job(request: dict) -> dict:
-    port = free_port()
+    for _ in range(PORT_RETRIES):
+        result = _run_ranks(request, free_port())
+        if not any(result["codes"]) or not _lost_the_port(request):
+            return result
+        for rank in range(request["processes"]):
+            with contextlib.suppress(FileNotFoundError):
+                os.truncate(f"{request['log']}.{rank}", 0)
+    return result
+
+
+def _run_ranks(request: dict, port: int) -> dict:
     sys.stdout.flush()
     ranks = {}
     for rank in range(request["processes"]):
