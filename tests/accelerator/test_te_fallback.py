@@ -365,7 +365,12 @@ def _te_layer_context_parallel_job(rank, world_size):
     """One TE-spec GPT layer built from a config alone (no context_parallel feature): whole sequences on one
     context-parallel rank, then the same weights and inputs over two (p2p and TE's default None: ring; a2a: Ulysses;
     a2a+p2p: the hybrid, here of one Ulysses group), float64; and
-    the same for THD packs (with and without padding between the sequences)."""
+    the same for THD packs (with and without padding between the sequences), also in a layer whose mask type is
+    padding (each sequence of a pack attends to itself whole)."""
+    import copy
+
+    from megatron.core.transformer.enums import AttnMaskType
+
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -386,14 +391,19 @@ def _te_layer_context_parallel_job(rank, world_size):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     results, weights = {}, None
+    layer_specs = {"causal": get_gpt_layer_with_transformer_engine_spec()}
+    layer_specs["padding"] = copy.deepcopy(layer_specs["causal"])
+    layer_specs["padding"].submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding
     try:
-        for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a"), (2, None), (2, "a2a+p2p")):
+        runs = [(mask_type, cp, comm) for mask_type in layer_specs
+                for cp, comm in ((1, "p2p"), (2, "p2p"), (2, "a2a"), (2, None), (2, "a2a+p2p"))]
+        for mask_type, cp, comm in runs:
             parallel_state.initialize_model_parallel(context_parallel_size=cp)
             model_parallel_cuda_manual_seed(1)
             try:
                 config = _config(context_parallel_size=cp, cp_comm_type=comm,
                                  hierarchical_context_parallel_sizes=[2, 1] if comm == "a2a+p2p" else None)
-                layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+                layer = build_module(layer_specs[mask_type], config=config, layer_number=1)
                 attention = layer.self_attention.core_attention
                 assert isinstance(attention, LocalTEDotProductAttention)
                 assert (attention.__dict__.get("te_context_parallel") is not None) == (cp > 1)
@@ -403,6 +413,8 @@ def _te_layer_context_parallel_job(rank, world_size):
                 if cp > 1 and comm == "p2p" and _megatron_splits_thd_batches():
                     results["thd batch"] = _thd_batch_on_this_cp_rank(parallel_state.get_context_parallel_group())
                 for name, (hidden, packed_seq_params) in inputs.items():
+                    if mask_type == "padding" and packed_seq_params is None:
+                        continue  # a padding layer over whole sequences takes Megatron's attention_mask
                     layer.zero_grad()
                     cotangent = torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden)
                     rows = mine[name] if cp > 1 else torch.arange(hidden.size(0))
@@ -412,7 +424,7 @@ def _te_layer_context_parallel_job(rank, world_size):
                     grads = {n: param.grad.clone() for n, param in layer.named_parameters()}
                     for grad in grads.values():
                         torch.distributed.all_reduce(grad, group=parallel_state.get_context_parallel_group())
-                    results[(name, cp, comm)] = (output.detach(), local.grad, grads)
+                    results[(mask_type, name, cp, comm)] = (output.detach(), local.grad, grads)
             finally:
                 parallel_state.destroy_model_parallel()
     finally:
@@ -435,15 +447,19 @@ def test_te_attention_serves_context_parallelism_built_from_a_config_alone():
             split = results["thd batch"]
             assert split["tokens"][0].tolist() == result["rows"]["padded"].tolist()
             assert split["labels"][0].tolist() == (result["rows"]["padded"] + 100).tolist()
-        for name, rows in result["rows"].items():
-            whole_output, whole_input_grad, whole_grads = results[(name, 1, "p2p")]
+        cases = {key[:2] for key in results if key != "thd batch"}
+        assert cases == {("causal", name) for name in result["rows"]} | {("padding", name) for name in TE_CP_PACKS}
+        for mask_type, name in cases:
+            rows = result["rows"][name]
+            whole_output, whole_input_grad, whole_grads = results[(mask_type, name, 1, "p2p")]
             for comm in ("p2p", "a2a", None, "a2a+p2p"):  # None: TE's default, p2p
-                output, input_grad, grads = results[(name, 2, comm)]
-                torch.testing.assert_close(output, whole_output[rows], rtol=1e-12, atol=1e-12, msg=f"{name} {comm}")
+                output, input_grad, grads = results[(mask_type, name, 2, comm)]
+                torch.testing.assert_close(output, whole_output[rows], rtol=1e-12, atol=1e-12,
+                                           msg=f"{mask_type} {name} {comm}")
                 torch.testing.assert_close(input_grad, whole_input_grad[rows], rtol=1e-12, atol=1e-12)
                 for param, grad in grads.items():
                     torch.testing.assert_close(grad, whole_grads[param], rtol=1e-11, atol=1e-11,
-                                               msg=f"{name} {comm} {param}")
+                                               msg=f"{mask_type} {name} {comm} {param}")
 
 
 def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_world):
@@ -455,8 +471,7 @@ def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_wo
     with pytest.raises(ValueError, match="cp_comm_type 'allgather' has no local equivalent; use one of p2p, a2a, "
                                          "a2a\\+p2p"):
         _te_context_parallel_settings(config, AttnMaskType.causal, "allgather")
-    with pytest.raises(ValueError, match="serves causal attention"):
-        _te_context_parallel_settings(config, AttnMaskType.padding, "p2p")
+    assert _te_context_parallel_settings(config, AttnMaskType.padding, "p2p").mask_type == "general"
     with pytest.raises(ValueError, match="needs hierarchical_context_parallel_sizes"):
         _te_context_parallel_settings(config, AttnMaskType.causal, "a2a+p2p")
     config.hierarchical_context_parallel_sizes = [2, 2]

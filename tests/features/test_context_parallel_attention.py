@@ -24,10 +24,12 @@ from tests.helpers.distributed import run_distributed, run_distributed_cases
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 16, 8
 TOLERANCE = 1e-10
 DROPOUT = 0.3
-#: (mask, position embedding, attention dropout probability); "packed": causal within each sequence of a pack
-CASES = [(mask, position, 0.0) for mask in ("causal", "general", "packed") for position in ("none", "alibi", "rope")]
+#: (mask, position embedding, attention dropout probability); "packed": causal within each sequence of a pack,
+#: "bidirectional pack": every sequence of a pack attends to itself whole
+MASKS = ("causal", "general", "packed", "bidirectional pack")
+CASES = [(mask, position, 0.0) for mask in MASKS for position in ("none", "alibi", "rope")]
 CASES += [("causal", "none", DROPOUT), ("causal", "alibi", DROPOUT), ("general", "rope", DROPOUT),
-          ("packed", "rope", DROPOUT)]
+          ("packed", "rope", DROPOUT), ("bidirectional pack", "alibi", DROPOUT)]
 #: per context-parallel size, a pack's sequence bounds over the SEQ tokens (each a multiple of 2 x cp, one empty)
 PACKS = {2: torch.tensor([0, 4, 12, 12, 16]), 4: torch.tensor([0, 8, 8, 16])}
 
@@ -81,9 +83,9 @@ def _attention_errors(rank, world_size, algorithm, ulysses_degree):
     errors = {}
     for case_index, (mask_type, position_type, dropout_p) in enumerate(CASES):
         q, k, v, grad, mask = make_inputs(seed=100 + case_index)
-        causal = mask_type != "general"
-        mask = None if causal else mask
-        segments = pack if mask_type == "packed" else None
+        causal = mask_type in ("causal", "packed")
+        mask = mask if mask_type == "general" else None
+        segments = pack if mask_type in ("packed", "bidirectional pack") else None
         if segments is None:
             positions = [layout.positions_on_rank(SEQ, r, world_size) for r in range(world_size)]
             rope_positions = torch.arange(SEQ)

@@ -227,17 +227,14 @@ CP_COMM_TYPES = {"p2p": "megatron_cp_algo", "a2a": "ulysses_cp_algo", "a2a+p2p":
 def _te_context_parallel_settings(config, attn_mask_type, cp_comm_type):
     """TE's own context parallelism, for a model built from a config alone (the ``context_parallel`` feature,
     switched on by flags, serves it otherwise): ascendspeed's ring (TE's ``p2p``, its default), Ulysses
-    (``a2a``) or hybrid (``a2a+p2p``) attention over the context-parallel group, causal layers only, as TE's
-    ``TEDotProductAttention`` is used in megatron-core's GPT specs."""
+    (``a2a``) or hybrid (``a2a+p2p``) attention over the context-parallel group; a layer whose mask type is not
+    causal applies its ``attention_mask`` (``general``), or in a THD pack attends within each sequence."""
     from ascendspeed.features.context_parallel.settings import ContextParallelSettings
 
     cp_comm_type = "p2p" if cp_comm_type is None else cp_comm_type  # TEDotProductAttention's default
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"{_WHERE}: context parallelism with cp_comm_type {cp_comm_type!r} has no local equivalent; "
                          f"use one of {', '.join(CP_COMM_TYPES)}")
-    if "causal" not in attn_mask_type.name:
-        raise ValueError(f"{_WHERE}: context parallelism in TEDotProductAttention serves causal attention, and this "
-                         f"layer's mask type is {attn_mask_type.name}")
     ulysses_degree = 1
     if cp_comm_type == "a2a+p2p":
         sizes = config.hierarchical_context_parallel_sizes
@@ -245,7 +242,8 @@ def _te_context_parallel_settings(config, attn_mask_type, cp_comm_type):
             raise ValueError(f"{_WHERE}: cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes [a2a, p2p] "
                              f"whose product is context_parallel_size {config.context_parallel_size}, got {sizes}")
         ulysses_degree = sizes[0]
-    return ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type], ulysses_degree=ulysses_degree)
+    return ContextParallelSettings(algorithm=CP_COMM_TYPES[cp_comm_type], ulysses_degree=ulysses_degree,
+                                   mask_type="causal" if "causal" in attn_mask_type.name else "general")
 
 
 class LocalTEDotProductAttention(DotProductAttention):
@@ -271,7 +269,8 @@ class LocalTEDotProductAttention(DotProductAttention):
         )
         if serves_context_parallel:
             self.te_context_parallel = megatron_attention.attach_context_parallel(
-                self, config, settings, megatron_attention.ContextParallelState(), pg_collection, causal_layer=True)
+                self, config, settings, megatron_attention.ContextParallelState(), pg_collection,
+                causal_layer="causal" in attn_mask_type.name)
         set_head_sizes(self, k_channels, v_channels, softmax_scale)
         self._fp32_product_dtypes = widened_dtypes()
 

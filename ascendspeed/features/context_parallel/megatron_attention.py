@@ -107,9 +107,10 @@ class ContextParallelAttention:
             positions = _balanced_positions(seq_length, self.size)
             return self._attend(layer, query, key, value, positions, self.mask_rows(attention_mask, positions,
                                                                                     seq_length))
-        if not self.causal:
-            raise ValueError("context-parallel attention over packed sequences masks causally within each sequence: "
-                             "use --cp-attention-mask-type causal")
+        if not self.causal and attention_mask is not None:
+            raise ValueError("context-parallel attention over packed sequences masks by the pack's sequences "
+                             "(causally with --cp-attention-mask-type causal, else each sequence whole): pass no "
+                             "attention_mask with packed_seq_params")
         if query.dim() != 3:
             raise ValueError(f"context-parallel attention takes a pack in THD layout, [tokens, heads, head dim]; got "
                              f"query {tuple(query.shape)} (packed_seq_params.qkv_format 'thd')")
@@ -120,7 +121,8 @@ class ContextParallelAttention:
                 f"{pack.slots.tolist()} split over {self.size} ranks give it {pack.positions[self.rank].numel()}: "
                 "split the pack by sequence (megatron-core's get_batch_on_this_cp_rank for THD)")
         unbatched = (t.unsqueeze(1) for t in (query, key, value))
-        out = self._attend(layer, *unbatched, pack.positions, None, segments=pack.slots).squeeze(1)
+        padding = None if self.causal else pack.padding_keys(self.rank, query.device)
+        out = self._attend(layer, *unbatched, pack.positions, padding, segments=pack.slots).squeeze(1)
         tokens = pack.tokens_on_rank(self.rank)
         return out if tokens is None else out * tokens.to(out.device, out.dtype)[:, None]
 
@@ -187,6 +189,17 @@ class PackOnRanks:
                                  f"{sequences.tolist()}")
         positions = tuple(layout.packed_positions_on_rank(slots, rank, cp_size) for rank in range(cp_size))
         return cls(slots, lengths, positions)
+
+    def padding_keys(self, rank: int, device) -> Optional[torch.Tensor]:
+        """A mask of every key that is padding, for the rank's queries ([1, 1, queries, pack]; None without
+        padding): causally the padding at a slot's end is hidden from its sequence anyway, without the causal
+        mask it must be hidden by this."""
+        if self.lengths is None:
+            return None
+        every = torch.arange(int(self.slots[-1]))
+        sequence = layout.segment_ids(every, self.slots)
+        padding = every - self.slots[sequence] >= self.lengths[sequence]
+        return padding.to(device).view(1, 1, 1, -1).expand(1, 1, self.positions[rank].numel(), -1)
 
     def tokens_on_rank(self, rank: int) -> Optional[torch.Tensor]:
         """Which of the rank's positions are tokens, not padding (None: all are)."""
