@@ -331,6 +331,93 @@ def _rank_positions(lengths, cp_size, rank):
     return [torch.cat((parts[rank], parts[2 * cp_size - 1 - rank])) for parts in chunks]
 
 
+def _mla_layer_step(dtype, rope_fusion, weights=None):
+    """One multi-latent-attention GPT layer (TE spec, YaRN RoPE) forward and backward: (output, input gradient,
+    parameter gradients, weights)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    model_parallel_cuda_manual_seed(1)
+    config = MLATransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, q_lora_rank=32,
+                                  kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                                  rope_type="yarn", apply_rope_fusion=rope_fusion, multi_latent_attention=True,
+                                  normalization="RMSNorm", use_cpu_initialization=True, params_dtype=dtype,
+                                  hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False)
+    layer = build_module(get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True), config=config,
+                         layer_number=1)
+    if weights is not None:
+        layer.load_state_dict(weights)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 2, 64, generator=generator, dtype=torch.float64).to(dtype).requires_grad_()
+    out, _ = layer(x, attention_mask=None)
+    out.backward(torch.randn(out.shape, generator=generator, dtype=torch.float64).to(dtype))
+    grads = {name: param.grad for name, param in layer.named_parameters()}
+    return out.detach(), x.grad, grads, layer.state_dict()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_mla_rope_fusion_off_cuda_equals_megatrons_unfused_mla_rope(megatron_world, dtype):
+    """Multi-latent attention with ``apply_rope_fusion`` (YaRN) calls megatron-core's triton kernels, which need
+    CUDA; off CUDA the torch stand-ins run (counted), and the layer's output and every gradient equal the layer
+    without rope fusion (megatron-core's unfused MLA RoPE)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        *unfused, weights = _mla_layer_step(dtype, rope_fusion=False)
+        calls = []
+
+        def counted(name):
+            inner = getattr(multi_latent_attention, name)
+            return lambda *args, **kwargs: calls.append(name) or inner(*args, **kwargs)
+
+        names = ("fused_apply_mla_rope_for_q", "fused_apply_mla_rope_for_kv")
+        with pytest.MonkeyPatch.context() as patch:
+            for name in names:
+                patch.setattr(multi_latent_attention, name, counted(name))
+            *fused, _ = _mla_layer_step(dtype, rope_fusion=True, weights=weights)
+    finally:
+        torch.set_default_dtype(previous)
+    assert calls == list(names)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(fused[0], unfused[0], **tolerance)
+    torch.testing.assert_close(fused[1], unfused[1], **tolerance)
+    for name, grad in unfused[2].items():
+        torch.testing.assert_close(fused[2][name], grad, **tolerance, msg=name)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_packed_mla_rope_fusion_rotates_each_sequence_from_its_start(cp_size):
+    """The ``thd`` form of the MLA stand-ins: every packed token rotated at its position in its sequence, on
+    context-parallel ranks holding chunks ``r`` and ``2 cp - 1 - r``; reference: the ``sbhd`` form on each whole
+    sequence, then the rank's rows. The key's rotated part is shared by the heads, after the no-position part."""
+    from ascendspeed.accelerator.te_fallback import rope
+
+    lengths, heads, nope, emb, v_dim = [8, 4, 12], 3, 5, 8, 6
+    generator = torch.Generator().manual_seed(cp_size)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    angles = torch.rand(16, 1, 1, emb, generator=generator, dtype=torch.float64) * 6
+    cos, sin = angles.cos() * 1.1, angles.sin() * 1.1   # YaRN's caches carry its mscale
+    q = torch.randn(sum(lengths), heads, nope + emb, generator=generator, dtype=torch.float64)
+    kv = torch.randn(sum(lengths), heads, nope + v_dim, generator=generator, dtype=torch.float64)
+    k_pos = torch.randn(sum(lengths), 1, emb, generator=generator, dtype=torch.float64)
+    starts = cu_seqlens[:-1].tolist()
+    pieces = [(rope.mla_rope_for_q(q[start:start + n, None], cos, sin, nope, emb)[:, 0],
+               *(t[:, 0] for t in rope.mla_rope_for_kv(kv[start:start + n, None], k_pos[start:start + n, None],
+                                                      cos, sin, emb, nope, v_dim)))
+              for start, n in zip(starts, lengths)]
+    expected = [torch.cat(parts) for parts in zip(*pieces)]
+    assert torch.equal(expected[1][..., :nope], kv[..., :nope]) and torch.equal(expected[2], kv[..., nope:])
+    assert torch.equal(expected[1][:, 0, nope:], expected[1][:, heads - 1, nope:])
+    for rank in range(cp_size):
+        rows = torch.cat([start + positions for start, positions in zip(starts, _rank_positions(lengths, cp_size, rank))])
+        found = (rope.mla_rope_for_q(q[rows], cos, sin, nope, emb, cu_seqlens, rank, cp_size),
+                 *rope.mla_rope_for_kv(kv[rows], k_pos[rows], cos, sin, emb, nope, v_dim, cu_seqlens, rank, cp_size))
+        for value, reference in zip(found, expected):
+            assert torch.equal(value, reference[rows])
+
+
 def test_packed_rope_fusion_refuses_sequences_context_parallelism_cannot_split():
     from megatron.core.models.common.embeddings import rope_utils
 

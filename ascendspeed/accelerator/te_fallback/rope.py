@@ -7,12 +7,19 @@ TE >= 1.4" (megatron-core 0.15-0.19), so Megatron's own attention tests with rop
 user who turns it on, stop on a CPU or an NPU. The stand-ins keep TE's contracts and run ascendspeed's rotary
 operator (``ascendspeed.ops.rotary``: one kernel forward and one backward, torch_npu's ``npu_rotary_mul`` on an
 NPU): the rotation of TE's fused kernel, computed in fp32 and rounded once.
+
+Multi-latent attention's rope fusion (YaRN, ``apply_rope_fusion`` with ``rope_type="yarn"``) calls megatron-core's
+own triton kernels instead (``fused_apply_mla_rope_for_q`` / ``_kv``), which need CUDA; off CUDA they run as the
+torch functions ``mla_rope_for_q`` / ``mla_rope_for_kv`` here, with the kernels' contracts (``sbhd`` and ``thd``
+with context-parallel ranks).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ascendspeed.patching import EXISTS, replace
+from ascendspeed.patching import EXISTS, replace, wrap
 
 
 def fused_apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False,
@@ -50,8 +57,81 @@ def fused_apply_rotary_pos_emb_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, fr
     return rotary_embedding(t.unsqueeze(1), freqs.detach()[positions], interleaved=interleaved).squeeze(1)
 
 
+def _mla_cos_sin(cos: torch.Tensor, sin: torch.Tensor, rows: int, cu_seqlens, cp_rank: int, cp_size: int):
+    """The YaRN cos / sin rows ([max_s, ..., emb] caches) of every row of an MLA tensor: row ``s`` of an ``sbhd``
+    tensor, or each packed token's position in its sequence (``thd_positions``), as the triton kernels index
+    them."""
+    cos, sin = cos.reshape(cos.size(0), -1), sin.reshape(sin.size(0), -1)
+    if cu_seqlens is None:
+        return cos[:rows, None, None], sin[:rows, None, None]
+    positions = thd_positions(cu_seqlens, cp_size, cp_rank).to(cos.device)
+    if positions.numel() != rows:
+        raise ValueError(f"MLA rope fusion: the pack holds {rows} tokens on this rank, and cu_seqlens "
+                         f"{cu_seqlens.tolist()} over {cp_size} context-parallel rank(s) gives {positions.numel()}")
+    return cos[positions, None], sin[positions, None]
+
+
+def _mla_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """MLA's decoupled RoPE: the interleaved pairs of ``x`` ([..., emb]) de-interleaved into halves and rotated,
+    ``[x1 cos - x2 sin, x2 cos + x1 sin]`` (megatron-core's unfused ``mla_rotary_interleaved``); in fp32
+    (float64 for float64), rounded once."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pairs = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1).to(acc)
+    half = pairs.size(-1) // 2
+    turned = torch.cat([-pairs[..., half:], pairs[..., :half]], dim=-1)
+    return (pairs * cos.to(acc) + turned * sin.to(acc)).to(x.dtype)
+
+
+def mla_rope_for_q(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qk_head_dim: int, emb_dim: int,
+                   cu_seqlens_q=None, cp_rank: int = 0, cp_size: int = 1, rotary_interleaved: bool = False):
+    """``fused_apply_mla_rope_for_q``: ``t`` [s, b, heads, qk_head_dim + emb_dim] (or [t, heads, ...] with
+    ``cu_seqlens_q``), its last ``emb_dim`` features rotated by the YaRN ``cos`` / ``sin`` caches."""
+    if rotary_interleaved:
+        raise ValueError("MLA rope fusion: rotary_interleaved is not supported (megatron-core's kernel asserts it)")
+    nope, rope = t.split([qk_head_dim, emb_dim], dim=-1)
+    cos, sin = _mla_cos_sin(cos, sin, t.size(0), cu_seqlens_q, cp_rank, cp_size)
+    return torch.cat([nope, _mla_rotate(rope, cos, sin)], dim=-1)
+
+
+def mla_rope_for_kv(kv: torch.Tensor, k_pos_emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, emb_dim: int,
+                    k_dim: int, v_dim: int, cu_seqlens_kv=None, cp_rank: int = 0, cp_size: int = 1,
+                    rotary_interleaved: bool = False):
+    """``fused_apply_mla_rope_for_kv``: ``kv`` [s, b, heads, k_dim + v_dim] split into key and value, the
+    rotated ``k_pos_emb`` ([s, b, 1, emb_dim], shared by the heads) appended to every head's key."""
+    if rotary_interleaved:
+        raise ValueError("MLA rope fusion: rotary_interleaved is not supported (megatron-core's kernel asserts it)")
+    key, value = kv.split([k_dim, v_dim], dim=-1)
+    cos, sin = _mla_cos_sin(cos, sin, kv.size(0), cu_seqlens_kv, cp_rank, cp_size)
+    rope = _mla_rotate(k_pos_emb, cos, sin).expand(*key.shape[:-1], emb_dim)
+    return torch.cat([key, rope], dim=-1), value.contiguous()
+
+
+def _off_cuda(step):
+    """A factory for ``wrap``: megatron-core's triton kernel on CUDA tensors (where it imported), ``step``
+    elsewhere."""
+
+    def factory(original):
+        @functools.wraps(step)
+        def call(first, *args, **kwargs):
+            if first.device.type == "cuda" and original is not None:
+                return original(first, *args, **kwargs)
+            return step(first, *args, **kwargs)
+
+        return call
+
+    return factory
+
+
 def patches():
     return [
+        wrap("megatron.core.transformer.multi_latent_attention:fused_apply_mla_rope_for_q", _off_cuda(mla_rope_for_q),
+             expect=EXISTS, sweep=False,
+             name="TE fallback: wrap multi_latent_attention.fused_apply_mla_rope_for_q (triton, or None), off CUDA "
+                  "MLA's YaRN rope fusion in torch"),
+        wrap("megatron.core.transformer.multi_latent_attention:fused_apply_mla_rope_for_kv",
+             _off_cuda(mla_rope_for_kv), expect=EXISTS, sweep=False,
+             name="TE fallback: wrap multi_latent_attention.fused_apply_mla_rope_for_kv (triton, or None), off CUDA "
+                  "MLA's YaRN rope fusion in torch"),
         replace("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
                 fused_apply_rotary_pos_emb, expect=EXISTS, sweep=False,
                 name="TE fallback: replace rope_utils.fused_apply_rotary_pos_emb (None without TE), "
