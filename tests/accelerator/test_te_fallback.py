@@ -315,12 +315,17 @@ def test_packed_rope_fusion_rotates_each_sequence_from_its_start_on_every_contex
         x, freqs[:length].double(), rotary_interleaved=interleaved), whole[start:start + length].double(),
         cotangent[start:start + length])[part] for start, length in zip(starts, lengths)]) for part in (0, 1)]
     for rank in range(cp_size):
-        rows = torch.cat([start + positions for start, positions in zip(starts, _rank_positions(lengths, cp_size, rank))])
+        rows = _rank_rows(starts, lengths, cp_size, rank)
         found = _rope_step(lambda x: rope_utils.fused_apply_rotary_pos_emb_thd(
             x[:, 0], cu_seqlens, freqs, cp_size=cp_size, cp_rank=rank, interleaved=interleaved)[:, None],
             whole[rows], cotangent[rows])
         for value, reference in zip(found, expected):
             torch.testing.assert_close(value.double(), reference[rows], **ROPE_TOLERANCE[torch.float32])
+
+
+def _rank_rows(starts, lengths, cp_size, rank):
+    """The rows of a pack (sequences of ``lengths`` from ``starts``) context-parallel rank ``rank`` holds."""
+    return torch.cat([start + positions for start, positions in zip(starts, _rank_positions(lengths, cp_size, rank))])
 
 
 def _rank_positions(lengths, cp_size, rank):
@@ -411,7 +416,7 @@ def test_packed_mla_rope_fusion_rotates_each_sequence_from_its_start(cp_size):
     assert torch.equal(expected[1][..., :nope], kv[..., :nope]) and torch.equal(expected[2], kv[..., nope:])
     assert torch.equal(expected[1][:, 0, nope:], expected[1][:, heads - 1, nope:])
     for rank in range(cp_size):
-        rows = torch.cat([start + positions for start, positions in zip(starts, _rank_positions(lengths, cp_size, rank))])
+        rows = _rank_rows(starts, lengths, cp_size, rank)
         found = (rope.mla_rope_for_q(q[rows], cos, sin, nope, emb, cu_seqlens, rank, cp_size),
                  *rope.mla_rope_for_kv(kv[rows], k_pos[rows], cos, sin, emb, nope, v_dim, cu_seqlens, rank, cp_size))
         for value, reference in zip(found, expected):
