@@ -8,11 +8,13 @@ on the tests that exercise them, at the 8 processes Megatron's CI uses (over glo
 * ``CheckpointWithoutOutput()`` called Transformer Engine's fp8 state without TE (``te_fallback.recompute``);
 * the tensor-parallel mappings at TP 4 x PP 2 and 8 x 1.
 
-The full conformance report is docs/conformance.md. Megatron's unit tests exist in the tree of megatron-core
+Also Megatron's own numeric checks of MLA's rope fusion, which its test class skips without CUDA. The full
+conformance report is docs/conformance.md. Megatron's unit tests exist in the tree of megatron-core
 0.19 only (``../shared/megatron-lm/core_v0.19.0/tests``): other releases skip.
 """
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +62,24 @@ def test_megatron_s_tensor_parallel_unit_tests_pass_on_eight_cpu_processes():
     assert not failed, failed
     for name in NEEDS_CUDA:
         assert by_name[name].status == "failed" and "NVIDIA driver" in by_name[name].message, by_name[name]
+
+
+#: Megatron's own numeric checks of MLA's YaRN rope fusion against its unfused RoPE (bf16, sbhd and thd), which
+#: its test class skips without CUDA; run here on the torch stand-ins (``te_fallback/rope.py``).
+MLA_ROPE_CHECKS = """
+import ascendspeed.megatron_adaptor
+from tests.unit_tests.fusions import test_mla_yarn_rope_apply as checks
+for input_format in ("sbhd", "thd"):
+    checks._test_fused_apply_mla_rope_for_q(input_format)
+    checks._test_fused_apply_mla_rope_for_kv(input_format)
+print("checked")
+"""
+
+
+def test_megatron_s_own_mla_rope_fusion_checks_pass_on_the_stand_ins():
+    tree = _unit_test_tree()
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(megatron_lm.REPOSITORY)]),
+                       ASCENDSPEED_DEVICE="cpu", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", MLA_ROPE_CHECKS], cwd=tree, env=environment, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]

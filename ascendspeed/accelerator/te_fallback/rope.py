@@ -9,7 +9,8 @@ operator (``ascendspeed.ops.rotary``: one kernel forward and one backward, torch
 NPU): the rotation of TE's fused kernel, computed in fp32 and rounded once.
 
 Multi-latent attention's rope fusion (YaRN, ``apply_rope_fusion`` with ``rope_type="yarn"``) calls megatron-core's
-own triton kernels instead (``fused_apply_mla_rope_for_q`` / ``_kv``), which need CUDA; off CUDA they run as the
+own triton kernels instead (``fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`` / ``_kv``), which need CUDA; off CUDA they
+run as the
 torch functions ``mla_rope_for_q`` / ``mla_rope_for_kv`` here, with the kernels' contracts (``sbhd`` and ``thd``
 with context-parallel ranks).
 """
@@ -107,15 +108,12 @@ def mla_rope_for_kv(kv: torch.Tensor, k_pos_emb: torch.Tensor, cos: torch.Tensor
 
 
 def _off_cuda(step):
-    """A factory for ``wrap``: megatron-core's triton kernel on CUDA tensors (where it imported), ``step``
-    elsewhere."""
+    """A factory for ``wrap``: megatron-core's triton kernel on CUDA tensors, ``step`` elsewhere."""
 
     def factory(original):
         @functools.wraps(step)
         def call(first, *args, **kwargs):
-            if first.device.type == "cuda" and original is not None:
-                return original(first, *args, **kwargs)
-            return step(first, *args, **kwargs)
+            return (original if first.device.type == "cuda" else step)(first, *args, **kwargs)
 
         return call
 
@@ -124,14 +122,16 @@ def _off_cuda(step):
 
 def patches():
     return [
-        wrap("megatron.core.transformer.multi_latent_attention:fused_apply_mla_rope_for_q", _off_cuda(mla_rope_for_q),
-             expect=EXISTS, sweep=False,
-             name="TE fallback: wrap multi_latent_attention.fused_apply_mla_rope_for_q (triton, or None), off CUDA "
-                  "MLA's YaRN rope fusion in torch"),
-        wrap("megatron.core.transformer.multi_latent_attention:fused_apply_mla_rope_for_kv",
-             _off_cuda(mla_rope_for_kv), expect=EXISTS, sweep=False,
-             name="TE fallback: wrap multi_latent_attention.fused_apply_mla_rope_for_kv (triton, or None), off CUDA "
-                  "MLA's YaRN rope fusion in torch"),
+        wrap("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_q",
+             _off_cuda(mla_rope_for_q),
+             expect="(t, cos, sin, qk_head_dim, emb_dim, cu_seqlens_q=None, cp_rank=0, cp_size=1, "
+                    "rotary_interleaved=False)",
+             name="TE fallback: wrap fused_apply_mla_rope_for_q (triton), off CUDA MLA's YaRN rope fusion in torch"),
+        wrap("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_kv",
+             _off_cuda(mla_rope_for_kv),
+             expect="(kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens_kv=None, cp_rank=0, cp_size=1, "
+                    "rotary_interleaved=False)",
+             name="TE fallback: wrap fused_apply_mla_rope_for_kv (triton), off CUDA MLA's YaRN rope fusion in torch"),
         replace("megatron.core.models.common.embeddings.rope_utils:fused_apply_rotary_pos_emb",
                 fused_apply_rotary_pos_emb, expect=EXISTS, sweep=False,
                 name="TE fallback: replace rope_utils.fused_apply_rotary_pos_emb (None without TE), "
