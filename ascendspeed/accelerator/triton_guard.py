@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import types
+from typing import Callable
 
 from ascendspeed.patching import EXISTS, wrap
 
@@ -59,6 +60,20 @@ def _wrap_import(original):
             raise
 
     return __import__
+
+
+def triton_on_cuda_only(step: Callable) -> Callable:
+    """A factory for ``wrap``: megatron-core's own triton kernel on CUDA tensors, the torch function ``step``
+    (same contract) on every other device, where the kernel cannot run."""
+
+    def factory(original):
+        @functools.wraps(original)
+        def call(first, *args, **kwargs):
+            return (original if first.device.type == "cuda" else step)(first, *args, **kwargs)
+
+        return call
+
+    return factory
 
 
 def triton_installed() -> bool:

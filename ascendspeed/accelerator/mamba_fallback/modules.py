@@ -1,13 +1,13 @@
 """The patches of ``accelerator.mamba_fallback``: ``mamba_ssm``'s names in ``megatron.core.ssm.mamba_mixer``."""
 from __future__ import annotations
 
-import functools
 import inspect
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from ascendspeed.accelerator.mamba_fallback import decode, ssd
+from ascendspeed.accelerator.triton_guard import triton_on_cuda_only
 from ascendspeed.patching import ABSENT, EXISTS, replace, wrap
 
 class GatedRMSNorm(torch.nn.Module):
@@ -46,19 +46,6 @@ class GatedRMSNorm(torch.nn.Module):
                f"norm_before_gate={self.norm_before_gate}"
 
 
-def off_cuda(step: Callable) -> Callable:
-    """A factory for ``wrap``: megatron-core's triton decode kernel on CUDA tensors, ``step`` (torch) elsewhere."""
-
-    def factory(original):
-        @functools.wraps(original)
-        def call(first, *args, **kwargs):
-            return (original if first.device.type == "cuda" else step)(first, *args, **kwargs)
-
-        return call
-
-    return factory
-
-
 _CONV_UPDATE = ("(x, conv_state, weight, bias, silu_activation, conv_state_indices, "
                 "intermediate_conv_states=None)")
 _STATE_UPDATE = ("(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, "
@@ -82,10 +69,10 @@ def patches():
                 expect=ABSENT, megatron="<0.17", name=f"Mamba fallback: {kernels} (prefill path)"),
         replace("megatron.core.ssm.mamba_mixer:mamba_chunk_scan_combined", ssd.mamba_chunk_scan_combined,
                 expect=EXISTS, sweep=False, megatron=">=0.17", name=f"Mamba fallback: {kernels} (prefill path)"),
-        wrap("megatron.core.ssm.mamba_mixer:causal_conv1d_update", off_cuda(decode.causal_conv1d_update),
+        wrap("megatron.core.ssm.mamba_mixer:causal_conv1d_update", triton_on_cuda_only(decode.causal_conv1d_update),
              expect=_CONV_UPDATE, sweep=False, megatron=">=0.17",
              name="Mamba fallback: wrap causal_conv1d_update (triton), off CUDA the torch convolution step (decode)"),
-        wrap("megatron.core.ssm.mamba_mixer:selective_state_update", off_cuda(decode.selective_state_update),
+        wrap("megatron.core.ssm.mamba_mixer:selective_state_update", triton_on_cuda_only(decode.selective_state_update),
              expect=_STATE_UPDATE, sweep=False, megatron=">=0.17",
              name="Mamba fallback: wrap selective_state_update (triton), off CUDA the torch SSM step (decode)"),
     ]

@@ -9,17 +9,15 @@ operator (``ascendspeed.ops.rotary``: one kernel forward and one backward, torch
 NPU): the rotation of TE's fused kernel, computed in fp32 and rounded once.
 
 Multi-latent attention's rope fusion (YaRN, ``apply_rope_fusion`` with ``rope_type="yarn"``) calls megatron-core's
-own triton kernels instead (``fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`` / ``_kv``), which need CUDA; off CUDA they
-run as the
-torch functions ``mla_rope_for_q`` / ``mla_rope_for_kv`` here, with the kernels' contracts (``sbhd`` and ``thd``
-with context-parallel ranks).
+own triton kernels instead (``fusions.fused_mla_yarn_rope_apply.fused_apply_mla_rope_for_q`` / ``_kv``), which
+need CUDA; off CUDA they run as the torch functions ``mla_rope_for_q`` / ``mla_rope_for_kv`` here, with the
+kernels' contracts (``sbhd`` and ``thd`` with context-parallel ranks).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from ascendspeed.accelerator.triton_guard import triton_on_cuda_only
 from ascendspeed.patching import EXISTS, replace, wrap
 
 
@@ -107,28 +105,15 @@ def mla_rope_for_kv(kv: torch.Tensor, k_pos_emb: torch.Tensor, cos: torch.Tensor
     return torch.cat([key, rope], dim=-1), value.contiguous()
 
 
-def _off_cuda(step):
-    """A factory for ``wrap``: megatron-core's triton kernel on CUDA tensors, ``step`` elsewhere."""
-
-    def factory(original):
-        @functools.wraps(step)
-        def call(first, *args, **kwargs):
-            return (original if first.device.type == "cuda" else step)(first, *args, **kwargs)
-
-        return call
-
-    return factory
-
-
 def patches():
     return [
         wrap("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_q",
-             _off_cuda(mla_rope_for_q),
+             triton_on_cuda_only(mla_rope_for_q),
              expect="(t, cos, sin, qk_head_dim, emb_dim, cu_seqlens_q=None, cp_rank=0, cp_size=1, "
                     "rotary_interleaved=False)",
              name="TE fallback: wrap fused_apply_mla_rope_for_q (triton), off CUDA MLA's YaRN rope fusion in torch"),
         wrap("megatron.core.fusions.fused_mla_yarn_rope_apply:fused_apply_mla_rope_for_kv",
-             _off_cuda(mla_rope_for_kv),
+             triton_on_cuda_only(mla_rope_for_kv),
              expect="(kv, k_pos_emb, cos, sin, emb_dim, k_dim, v_dim, cu_seqlens_kv=None, cp_rank=0, cp_size=1, "
                     "rotary_interleaved=False)",
              name="TE fallback: wrap fused_apply_mla_rope_for_kv (triton), off CUDA MLA's YaRN rope fusion in torch"),
