@@ -53,6 +53,11 @@ def widened_dtypes() -> FrozenSet[torch.dtype]:
     return HALF_DTYPES if policy == "fp32" else slow_half_gemm_dtypes()
 
 
+def multiplies_in_fp32(tensor: torch.Tensor, widened: FrozenSet[torch.dtype]) -> bool:
+    """Whether GEMMs on ``tensor`` run on fp32 copies: a CPU tensor of a dtype in ``widened``."""
+    return tensor.device.type == "cpu" and tensor.dtype in widened
+
+
 class _Narrowed:
     """A saved widened tensor, stored as the half-precision tensor it was widened from."""
 
@@ -108,8 +113,7 @@ def wrap_in_fp32_gemm(original: Callable, widened: FrozenSet[torch.dtype]) -> Ca
 
     @functools.wraps(original)
     def linear(input, weight, bias, gradient_accumulation_fusion, *args, **kwargs):
-        if (input.dtype not in widened or input.device.type != "cpu" or weight.dtype != input.dtype
-                or gradient_accumulation_fusion):
+        if not multiplies_in_fp32(input, widened) or weight.dtype != input.dtype or gradient_accumulation_fusion:
             return original(input, weight, bias, gradient_accumulation_fusion, *args, **kwargs)
         with fp32_copies(input, weight, bias) as (wide_input, wide_weight, wide_bias):
             output = original(wide_input, wide_weight, wide_bias, gradient_accumulation_fusion, *args, **kwargs)

@@ -32,6 +32,9 @@
   group) receives its split sizes as numpy arrays (the dispatcher copies the token counts to the host);
   NCCL's binding of ``all_to_all_single`` takes them, gloo's wants lists of ints ("incompatible function
   arguments"). They are handed on as lists (the autograd function keeps them for backward too).
+* ``fusions.fused_indices_converter.fused_indices_to_multihot`` (the flex dispatcher's top-k indices to a
+  multi-hot routing map, experimental) is a triton kernel that allocates on CUDA. Off CUDA the same
+  contract runs as two torch scatters (``indices_to_multihot``); its backward is their gather.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ascendspeed.accelerator.triton_guard import triton_on_cuda_only
 from ascendspeed.patching import EXISTS, replace, wrap
 
 #: gloo message tags of the two pipeline directions (0 stays the default of all other traffic).
@@ -138,9 +142,27 @@ def _wrap_all_to_all(original):
     return all_to_all
 
 
+def indices_to_multihot(indices: torch.Tensor, probs_indices: torch.Tensor, num_of_local_experts: int):
+    """``fused_indices_to_multihot`` in torch: top-k ``indices`` [tokens, topk] (-1, or an expert this rank does not
+    hold, means none) and their ``probs_indices`` to a bool routing map and the probabilities in its places, both
+    [tokens, num_of_local_experts]. Differentiable in ``probs_indices`` (a gather, zero where nothing was routed)."""
+    if indices.shape != probs_indices.shape:
+        raise ValueError(f"indices {tuple(indices.shape)} and probs_indices {tuple(probs_indices.shape)} must have "
+                         "the same shape")
+    routed = (indices >= 0) & (indices < num_of_local_experts)
+    columns = torch.where(routed, indices, num_of_local_experts).long()
+    tokens = indices.size(0)
+    multihot = indices.new_zeros(tokens, num_of_local_experts + 1, dtype=torch.bool).scatter_(1, columns, True)
+    probs = probs_indices.new_zeros(tokens, num_of_local_experts + 1).scatter(1, columns, probs_indices)
+    return multihot[:, :num_of_local_experts], probs[:, :num_of_local_experts]
+
+
 def moe_patches():
     name = "gloo all-to-all: MoE split sizes as lists of ints (wrap)"
     return [
+        wrap("megatron.core.fusions.fused_indices_converter:fused_indices_to_multihot",
+             triton_on_cuda_only(indices_to_multihot), expect="(indices, probs_indices, num_of_local_experts)",
+             name="cpu moe: wrap fused_indices_to_multihot (triton), off CUDA its routing map from torch scatters"),
         wrap("megatron.core.tensor_parallel.mappings:all_to_all", _wrap_all_to_all_v015,
              expect="(group, input_, output_split_sizes_=None, input_split_sizes=None)", megatron="<0.18",
              name=name),

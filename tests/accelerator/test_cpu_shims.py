@@ -237,3 +237,45 @@ def test_torchscript_still_compiles_calls_to_redirected_factories():
         return torch.cat([x, torch.zeros(2)])
 
     assert torch.equal(padded(torch.ones(1)), torch.tensor([1.0, 0.0, 0.0]))
+
+
+def _multihot_sample(tokens, topk, experts, dtype, generator):
+    """Top-k rows with distinct experts, some of them -1 (dropped) or past this rank's experts (another rank's)."""
+    indices = torch.stack([torch.randperm(experts + 3, generator=generator)[:topk] for _ in range(tokens)]) - 1
+    indices = indices.to(torch.int32)
+    probs = torch.rand(tokens, topk, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(True)
+    return indices, probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens, topk, experts", [(1, 1, 1), (7, 2, 4), (64, 6, 30), (33, 8, 7)])
+def test_indices_to_multihot_without_triton_matches_a_float64_loop(tokens, topk, experts, dtype):
+    from megatron.core.fusions import fused_indices_converter
+
+    generator = torch.Generator().manual_seed(tokens * 100 + topk)
+    indices, probs = _multihot_sample(tokens, topk, experts, dtype, generator)
+    routing_map, routed_probs = fused_indices_converter.fused_indices_to_multihot(indices, probs, experts)
+    upstream = torch.randn(tokens, experts, generator=generator, dtype=torch.float64)
+    (routed_probs.double() * upstream).sum().backward()
+
+    expected_map = torch.zeros(tokens, experts, dtype=torch.bool)
+    expected_probs = torch.zeros(tokens, experts, dtype=torch.float64)
+    expected_grad = torch.zeros(tokens, topk, dtype=torch.float64)
+    for token in range(tokens):
+        for slot in range(topk):
+            expert = int(indices[token, slot])
+            if 0 <= expert < experts:
+                expected_map[token, expert] = True
+                expected_probs[token, expert] = probs[token, slot].double()
+                expected_grad[token, slot] = upstream[token, expert].to(dtype).double()
+    assert routing_map.dtype == torch.bool and routed_probs.dtype == dtype
+    assert torch.equal(routing_map, expected_map)
+    assert torch.equal(routed_probs.double(), expected_probs)
+    assert torch.equal(probs.grad.double(), expected_grad)
+
+
+def test_indices_to_multihot_names_mismatched_shapes():
+    from megatron.core.fusions import fused_indices_converter
+
+    with pytest.raises(ValueError, match="probs_indices"):
+        fused_indices_converter.fused_indices_to_multihot(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 3), 4)

@@ -33,7 +33,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ascendspeed import accelerator
-from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
+from ascendspeed.accelerator.cpu_half_gemm import multiplies_in_fp32, widened_dtypes
 from ascendspeed.ops.grouped_linear import grouped_linear
 
 _WHERE = "ascendspeed's TE grouped-linear stand-in"
@@ -129,7 +129,7 @@ class LocalTEGroupedLinear(torch.nn.Module):
             m_splits = m_splits.tolist()
         add_bias = self.use_bias and not self.skip_bias_add
         out = grouped_linear(x, self.weights, m_splits, self.biases if add_bias else None,
-                             fp32_products=x.device.type == "cpu" and x.dtype in self._fp32_product_dtypes)
+                             fp32_products=multiplies_in_fp32(x, self._fp32_product_dtypes))
         if self.use_bias and self.skip_bias_add:
             return out, self.biases
         return out, None

@@ -15,7 +15,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from ascendspeed.accelerator.cpu_half_gemm import widened_dtypes
+from ascendspeed.accelerator.cpu_half_gemm import multiplies_in_fp32, widened_dtypes
 from ascendspeed.features.local_mla.attention import set_head_sizes
 from ascendspeed.features.local_norm.norm import LocalNorm
 from ascendspeed.ops.core_attention import packed_core_attention
@@ -287,8 +287,8 @@ class LocalTEDotProductAttention(DotProductAttention):
             # TE's THD packs, which megatron-core's local attention refuses: on the fused kernel, with the
             # pack's block-diagonal mask (ascendspeed.ops.core_attention), products in fp32 where this CPU has no
             # fast GEMM for the dtype.
-            fp32_gemms = query.device.type == "cpu" and query.dtype in self._fp32_product_dtypes
-            context = packed_core_attention(self, query, key, value, packed_seq_params, fp32_gemms=fp32_gemms)
+            context = packed_core_attention(self, query, key, value, packed_seq_params,
+                                            fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
             if context is not None:
                 return context
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 
 from ascendspeed.accelerator.cpu_features import cpu_flags
+from ascendspeed.accelerator.cpu_half_gemm import multiplies_in_fp32
 from ascendspeed.features.attention_masks import is_plain_causal
 from ascendspeed.features.megatron_flags import FUSED_ATTENTION_BACKENDS, attention_backend_name
 from ascendspeed.ops.core_attention import MaskPlan, fused_core_attention, packed_core_attention, unsupported_by_kernel
@@ -108,7 +109,7 @@ def cpu_has_amx_bf16() -> bool:
 def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
     """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
     if (query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION
-            or query.dtype in settings.cpu_fp32_gemm_dtypes):
+            or multiplies_in_fp32(query, settings.cpu_fp32_gemm_dtypes)):
         return False
     if query.dtype == torch.bfloat16 and cpu_has_amx_bf16():
         tokens = min(query.shape[0], key.shape[0])
@@ -123,7 +124,7 @@ def wrap_attention_forward(original, settings: FusedAttentionSettings):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         reason = why_unfused(self, attention_mask, attention_bias, packed_seq_params)
-        fp32 = query.device.type == "cpu" and query.dtype in settings.cpu_fp32_gemm_dtypes
+        fp32 = multiplies_in_fp32(query, settings.cpu_fp32_gemm_dtypes)
         if reason is None and packed_seq_params is not None and query.dim() == 3:
             context = packed_core_attention(self, query, key, value, packed_seq_params, fp32_gemms=fp32)
             if context is not None:

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ascendspeed.accelerator.cpu_half_gemm import multiplies_in_fp32
 from ascendspeed.features.tp_comm_overlap import chunked, mc2, recompute
 from ascendspeed.features.tp_comm_overlap.collectives import TpGroup
 from ascendspeed.features.tp_comm_overlap.settings import TpCommOverlapSettings
@@ -37,8 +38,7 @@ def _main_grad(weight: torch.Tensor, gradient_accumulation_fusion: bool) -> Opti
 def _fp32_products(input: torch.Tensor, weight: torch.Tensor, settings: TpCommOverlapSettings) -> bool:
     """Whether the chunked kernels multiply this layer's half-precision operands in fp32 (a CPU without a fast
     GEMM for their dtype), as ``cpu_half_gemm`` has megatron-core's own linear functions do."""
-    return (input.device.type == "cpu" and input.dtype in settings.cpu_fp32_gemm_dtypes
-            and weight.dtype == input.dtype)
+    return multiplies_in_fp32(input, settings.cpu_fp32_gemm_dtypes) and weight.dtype == input.dtype
 
 
 def _offloading_activations(layer: torch.nn.Module) -> bool:
