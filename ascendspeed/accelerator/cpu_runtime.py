@@ -7,7 +7,8 @@ one of these raises (or, for the lazily queued RNG calls, silently does nothing)
 each call site, these shims give the entry points the meaning they have when the CPU is the device:
 
 * ``current_device()`` returns ``torch.device("cpu")``, which every ``device=``/``.to()`` accepts;
-* ``synchronize``/``set_device``/``set_stream`` do nothing: CPU kernels run synchronously on one device;
+* ``synchronize``/``set_device``/``set_stream`` do nothing, and ``with torch.cuda.device(d)`` selects nothing:
+  CPU kernels run synchronously on one device;
 * streams and events are inert objects (CPU execution is already ordered); events still time;
 * the "CUDA" RNG *is* the CPU generator: CPU dropout and init draw from ``torch.default_generator``,
   so Megatron's RNG tracker must save, seed and restore that generator to fork its streams;
@@ -22,7 +23,10 @@ each call site, these shims give the entry points the meaning they have when the
 * ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` take the flat tensor of ``world x`` the shard's
   elements that NCCL takes (``gather_split_1d_tensor`` gathers 2-D shards into a 1-D tensor): gloo splits
   the big tensor along its first dimension and wants each piece shaped as the shard, so it gets a view of
-  the same memory shaped that way.
+  the same memory shaped that way;
+* ``all_gather`` into a list of tensors of different sizes (NCCL gathers uneven shards: megatron-core's
+  uneven DTensor gather, MoE's gathers by split sizes) pads every shard to the largest for gloo, which wants
+  them equal, and copies each into its tensor (an async call's copies happen in its ``wait()``).
 """
 from __future__ import annotations
 
@@ -50,6 +54,20 @@ def synchronize(device=None) -> None:
 
 def set_device(device) -> None:
     """There is one CPU device; ``torch.cuda.set_device(local_rank)`` selects it."""
+
+
+class CpuDeviceScope:
+    """``torch.cuda.device(d)``, the block's device: the CPU, whatever ``d`` names (megatron-core passes
+    ``current_device()``, the CPU itself). A class, as torch's own device checks ask ``isinstance`` of it."""
+
+    def __init__(self, device):
+        self.idx = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception) -> bool:
+        return False
 
 
 def is_available() -> bool:
@@ -232,6 +250,51 @@ def wrap_reduce_scatter_tensor(original):
     return reduce_scatter_tensor
 
 
+class _PlacedOnWait:
+    """An async collective whose results reach the caller's tensors when it is waited for."""
+
+    def __init__(self, work, place):
+        self._work, self._place, self._placed = work, place, False
+
+    def wait(self, *args, **kwargs):
+        done = self._work.wait(*args, **kwargs)
+        if not self._placed:
+            self._place()
+            self._placed = True
+        return done
+
+    def is_completed(self) -> bool:
+        if not self._placed and self._work.is_completed():
+            self.wait()
+        return self._placed
+
+
+def wrap_all_gather(original):
+    """``all_gather`` of shards of different shapes, as on NCCL: gloo gathers them padded to the largest."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if all(out.shape == tensor.shape for out in tensor_list) or any(out.dtype != tensor.dtype
+                                                                         for out in tensor_list):
+            return original(tensor_list, tensor, group, async_op)
+        largest = max(max(out.numel() for out in tensor_list), tensor.numel())
+        padded = tensor.new_zeros(largest)
+        padded[:tensor.numel()] = tensor.reshape(-1)
+        gathered = [tensor.new_empty(largest) for _ in tensor_list]
+        work = original(gathered, padded, group, async_op)
+
+        def place():
+            for out, shard in zip(tensor_list, gathered):
+                out.copy_(shard[:out.numel()].view(out.shape))
+
+        if async_op:
+            return _PlacedOnWait(work, place)
+        place()
+        return work
+
+    return all_gather
+
+
 def patches():
     """Every shim here replaces a whole ``torch.cuda`` entry point, so torch's exact signature does not
     matter (``EXISTS``); copies bound elsewhere (``torch.cuda.get_rng_state`` is ``torch.cuda.random``'s)
@@ -240,6 +303,7 @@ def patches():
         replace("torch.cuda:current_device", current_device, expect=EXISTS, name="cpu runtime: current_device"),
         replace("torch.cuda:synchronize", synchronize, expect=EXISTS, name="cpu runtime: synchronize"),
         replace("torch.cuda:set_device", set_device, expect=EXISTS, name="cpu runtime: set_device"),
+        replace("torch.cuda:device", CpuDeviceScope, expect=EXISTS, name="cpu runtime: device, a scope on the CPU"),
         replace("torch.cuda:is_available", is_available, expect=EXISTS, name="cpu runtime: is_available"),
         replace("torch.cuda:device_count", device_count, expect=EXISTS, name="cpu runtime: device_count, the CPU"),
         wrap("torch.distributed.distributed_c10d:init_process_group", wrap_init_process_group, expect=EXISTS,
@@ -249,6 +313,9 @@ def patches():
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
              expect="(output_tensor, input_tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),
+        wrap("torch.distributed.distributed_c10d:all_gather", wrap_all_gather,
+             expect="(tensor_list, tensor, group=None, async_op=False)",
+             name="cpu runtime: wrap all_gather, shards of different sizes as NCCL gathers them"),
         wrap("torch.distributed.distributed_c10d:reduce_scatter_tensor", wrap_reduce_scatter_tensor,
              expect="(output, input, op=<RedOpType.SUM: 0>, group=None, async_op=False)",
              name="cpu runtime: wrap reduce_scatter_tensor, any shape of the scattered elements"),

@@ -71,6 +71,15 @@ def test_type_conversion_still_converts():
     assert torch.zeros(1).type("torch.DoubleTensor").dtype == torch.float64
 
 
+@pytest.mark.parametrize("device", [torch.device("cpu"), "cuda", 0, None])
+def test_a_device_scope_runs_its_block_on_the_cpu(device):
+    """megatron-core's FSDP makes its streams inside ``with torch.cuda.device(torch.cuda.current_device())``."""
+    with torch.cuda.device(device):
+        assert torch.zeros(1, device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.cuda.Stream().device.type == "cpu"
+    assert torch.cuda._utils._get_device_index(torch.cuda.device(0)) == -1
+
+
 def test_runtime_calls_do_nothing_and_report_no_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_device(0)
@@ -104,17 +113,27 @@ def _collectives_into_other_shapes(rank, world_size):
     full = torch.arange(world_size * 8, dtype=torch.float32).view(world_size * 4, 2)
     scattered = torch.empty(2, 4)
     dist.reduce_scatter_tensor(scattered, full)
-    return gathered, scattered, gather_split_1d_tensor(shard, dist.group.WORLD)
+    uneven = [torch.full((2 + 3 * peer, 2), -1.0) for peer in range(world_size)]  # rank r holds 2 + 3r rows
+    dist.all_gather(uneven, torch.arange(4.0 + 6 * rank).view(-1, 2) + 100 * rank)
+    empty_shard = [torch.full((3 * peer,), -1.0, dtype=torch.bfloat16) for peer in range(world_size)]
+    dist.all_gather(empty_shard, torch.arange(3.0 * rank, dtype=torch.bfloat16), async_op=True).wait()
+    return gathered, scattered, gather_split_1d_tensor(shard, dist.group.WORLD), uneven, empty_shard
 
 
-def test_collectives_take_the_flat_tensors_nccl_takes():
+def test_collectives_take_the_tensors_nccl_takes():
+    """The flat tensors of all_gather_into_tensor / reduce_scatter_tensor, and all_gather's shards of different
+    sizes (an empty one too, and async), which gloo refused."""
     from tests.helpers.distributed import run_distributed
 
-    for rank, (gathered, scattered, megatron_gathered) in enumerate(run_distributed(_collectives_into_other_shapes, 2)):
+    results = run_distributed(_collectives_into_other_shapes, 2)
+    for rank, (gathered, scattered, megatron_gathered, uneven, empty_shard) in enumerate(results):
         expected = torch.cat([torch.arange(8.0), torch.arange(8.0) + 100])
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
         torch.testing.assert_close(megatron_gathered, expected, rtol=0, atol=0)
         torch.testing.assert_close(scattered, 2 * torch.arange(8.0 * rank, 8.0 * rank + 8).view(2, 4), rtol=0, atol=0)
+        for peer, (rows, values) in enumerate(zip(uneven, empty_shard)):
+            assert torch.equal(rows, torch.arange(4.0 + 6 * peer).view(-1, 2) + 100 * peer)
+            assert torch.equal(values, torch.arange(3.0 * peer, dtype=torch.bfloat16))
 
 
 def test_streams_and_events_are_inert_but_time():

@@ -4,6 +4,7 @@ On this machine Transformer Engine is not installed, so megatron-core's TE class
 and its TE layer spec cannot build without the fallback. Real megatron-core modules, float64.
 """
 import argparse
+import functools
 import types
 
 import pytest
@@ -99,6 +100,42 @@ def test_what_needs_transformer_engine_is_refused_naming_the_flag(flags, named):
         setattr(args, dest, value)
     with pytest.raises(FeatureArgumentError, match=named):
         te_fallback.check_arguments(args)
+
+
+def _te_linear(grouped: bool, config, init_method):
+    if grouped:
+        return te_classes.TEColumnParallelGroupedLinear(2, 32, 48, config=config, init_method=init_method, bias=False,
+                                                        skip_bias_add=False, is_expert=True)
+    return te_classes.TEColumnParallelLinear(32, 48, config=config, init_method=init_method, gather_output=False,
+                                             bias=False, skip_bias_add=False, is_expert=False)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["linear", "grouped-experts"])
+def test_te_classes_built_before_any_seeding_draw_their_weights_as_te_does(megatron_world, grouped):
+    """TE's modules fork the model-parallel RNG tracker only once it has states, else the default generator draws
+    (Megatron's tests build TE experts that way); megatron-core's local modules raised "cuda rng state ... is not
+    added". Once seeded, the tracker's stream draws, as before."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    config = _config(use_cpu_initialization=False, params_dtype=torch.float32)
+    init_method = functools.partial(torch.nn.init.normal_, std=0.02)
+    expected = torch.empty(48, 32)
+    torch.manual_seed(7)
+    init_method(expected)
+    tracker = get_cuda_rng_tracker()
+    states = tracker.get_states()
+    tracker.reset()
+    try:
+        torch.manual_seed(7)
+        unseeded = _te_linear(grouped, config, init_method)
+        assert not tracker.is_initialized() and "fork" not in vars(tracker)
+    finally:
+        tracker.set_states(states)
+    torch.manual_seed(7)
+    seeded = _te_linear(grouped, config, init_method)
+    weight = "weight0" if grouped else "weight"
+    assert torch.equal(getattr(unseeded, weight), expected)
+    assert not torch.equal(getattr(seeded, weight), expected)
 
 
 # -- the TE layer spec equals the local one, step for step ----------------------------------------------

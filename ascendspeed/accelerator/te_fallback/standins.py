@@ -6,11 +6,17 @@ import nothing from Megatron when defined, so the patches can wait for their mod
 are imported when the first one is built, once megatron-core is fully loaded. ``isinstance(module, TELinear)``
 holds for what a stand-in builds.
 
+Initial weights follow TE's rule: TE's modules draw them inside the model-parallel RNG tracker only once it has
+states (megatron-core passes ``get_rng_state_tracker`` only if ``get_cuda_rng_tracker().is_initialized()``), and
+from the default generator before; megatron-core's local modules always fork it, and an empty tracker raises
+"cuda rng state model-parallel-rng is not added". A stand-in built before any seeding draws as TE would.
+
 Every target is checked against the upstream constructor as megatron-core wrote it: where TE is absent its TE
 classes are mocks that keep the class body (``describe_signature`` reads their ``__init__``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -53,7 +59,24 @@ class _StandIn(metaclass=_StandInType):
 
     def __new__(cls, *args, **kwargs):
         # The builder has the upstream constructor's parameters: a wrong call fails there, naming them.
-        return getattr(importlib.import_module(cls.module), cls.builder)(*args, **kwargs)
+        with _initialised_as_te_does():
+            return getattr(importlib.import_module(cls.module), cls.builder)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _initialised_as_te_does():
+    """While a stand-in is built: an RNG tracker without states forks nothing (the default generator draws)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    if tracker.is_initialized() or "fork" in vars(tracker):
+        yield
+        return
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        del tracker.fork
 
 
 class TENorm(_StandIn):
