@@ -9,7 +9,8 @@ on the tests that exercise them, at the 8 processes Megatron's CI uses (over glo
 * the tensor-parallel mappings at TP 4 x PP 2 and 8 x 1.
 
 On one process: the flex dispatcher's triton indices-to-multihot converter, off CUDA in torch
-(``cpu_megatron_core``).
+(``cpu_megatron_core``), and the hybrid block's DeepSeek-sparse-attention layer, whose absorbed MLA recognises
+the TE stand-ins (``te_fallback.standins``).
 
 Also Megatron's own numeric checks of MLA's rope fusion, which its test class skips without CUDA. The full
 conformance report is docs/conformance.md. Megatron's unit tests exist in the tree of megatron-core
@@ -88,11 +89,15 @@ def test_megatron_s_own_mla_rope_fusion_checks_pass_on_the_stand_ins():
     assert done.returncode == 0 and "checked" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
 
 
-def test_megatron_s_multihot_converter_tests_pass_on_the_torch_stand_in():
+ONE_PROCESS_TESTS = ["tests/unit_tests/transformer/moe/test_multihot_indices_converter.py",
+                     "tests/unit_tests/ssm/test_hybrid_block.py::TestHybridBlock::test_dsa_layer_types"]
+
+
+def test_megatron_s_multihot_converter_and_absorbed_mla_tests_pass_on_the_stand_ins():
     tree = _unit_test_tree()
-    file = "tests/unit_tests/transformer/moe/test_multihot_indices_converter.py"
-    outcomes, seconds, problem = _conformance()._run_session(tree, [file], processes=1, timeout=300)
+    outcomes, seconds, problem = _conformance()._run_session(tree, ONE_PROCESS_TESTS, processes=1, timeout=300)
     assert outcomes is not None, problem
-    assert len(outcomes) == 200, sorted(outcomes)  # 5 token counts x 5 top-k x 8 expert counts in core_v0.19.0
+    # 5 token counts x 5 top-k x 8 expert counts in core_v0.19.0, and the DSA layer
+    assert len(outcomes) == 201, sorted(outcomes)
     failed = {test: outcome.message for test, outcome in outcomes.items() if outcome.status != "passed"}
     assert not failed, failed

@@ -223,6 +223,7 @@ def _name(name: str) -> str:
 def patches() -> list[Patch]:
     gpt = "TE fallback: gpt_layer_specs' TE spec provider and TENorm"
     mla = "TE fallback: multi-latent attention recognises TELinear and TEColumnParallelLinear"
+    absorbed_mla = "TE fallback: absorbed multi-latent attention recognises TELinear and TEColumnParallelLinear"
     grouped = "TE fallback: --moe-grouped-gemm experts on ascendspeed's grouped linears"
     return [
         replace("megatron.core.extensions.transformer_engine:TENorm", TENorm,
@@ -305,6 +306,11 @@ def patches() -> list[Patch]:
                 megatron=">=0.17", name=mla),
         replace("megatron.core.transformer.multi_latent_attention:TEColumnParallelLinear", TEColumnParallelLinear,
                 expect=_NONE, megatron=">=0.17", name=mla),
+        # the absorbed MLA of DeepSeek sparse attention (hybrid pattern "D") does the same in its own module
+        replace("megatron.core.transformer.experimental_attention_variant.absorbed_mla:TELinear", TELinear,
+                expect=_NONE, megatron=">=0.19", name=absorbed_mla),
+        replace("megatron.core.transformer.experimental_attention_variant.absorbed_mla:TEColumnParallelLinear",
+                TEColumnParallelLinear, expect=_NONE, megatron=">=0.19", name=absorbed_mla),
         wrap("megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", wrap_torch_norm_new,
              expect="(cls, config, hidden_size, eps=1e-05, persist_layer_norm=False, zero_centered_gamma=False, "
                     "normalization='LayerNorm')",
