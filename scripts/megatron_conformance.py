@@ -48,6 +48,9 @@ SUITES = ("transformer", "models", "tensor_parallel", "pipeline_parallel", "dist
 
 #: (reason, pattern on the message of a test that did not pass), first match wins.
 REASONS = (
+    # test_grad_sync_with_expert_parallel sets its expected expert gradient only when ep_size > 1, while experts
+    # with ETP != TP reduce over expert groups at EP 1 too (TE's wrapper agrees): an UnboundLocalError anywhere
+    ("a bug in Megatron's test (fails on GPUs too)", r"local variable 'ep_expected_grad_data_value_after_collective'"),
     ("needs more processes", r"is not divisible by|world.?size \(\d+\)|requires \d+ (?:GPUs|ranks|processes)"),
     ("needs Transformer Engine", r"transformer.?engine|\bTE\b|transformer_engine|te_version|is_te_min_version"),
     ("fp8 / fp4 (CUDA hardware formats)", r"\bfp8\b|FP8|fp4|FP4|nvfp4|mxfp8"),
@@ -89,6 +92,11 @@ def classify(message: str) -> str:
         if re.search(pattern, message):
             return reason
     return "not classified"
+
+
+def _reason(outcome: Outcome) -> str:
+    """The stored reason, or, for one no rule named when it ran, what today's rules make of its message."""
+    return classify(outcome.message) if outcome.reason == "not classified" else outcome.reason
 
 
 def _free_port() -> int:
@@ -255,7 +263,7 @@ def write_markdown(results: list[FileResult], tree: Path, output: Path) -> None:
     for result in results:
         for outcome in result.outcomes:
             if outcome.status != "passed":
-                reasons[outcome.reason, result.processes, outcome.status] += 1
+                reasons[_reason(outcome), result.processes, outcome.status] += 1
     for reason, processes in sorted({(reason, processes) for reason, processes, _ in reasons}):
         lines.append(f"| {reason} | {processes} | {reasons[reason, processes, 'failed']} | "
                      f"{reasons[reason, processes, 'skipped']} |")
@@ -270,7 +278,7 @@ def write_markdown(results: list[FileResult], tree: Path, output: Path) -> None:
         for outcome in result.outcomes:
             if outcome.status == "failed":
                 message = outcome.message.replace("|", "/").replace("`", "'")
-                lines.append(f"- {result.processes} process(es) `{outcome.test}`: {outcome.reason}: {message}")
+                lines.append(f"- {result.processes} process(es) `{outcome.test}`: {_reason(outcome)}: {message}")
     output.write_text("\n".join(lines) + "\n")
 
 
