@@ -109,7 +109,7 @@ def cpu_has_amx_bf16() -> bool:
 def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
     """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
     if (query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION
-            or multiplies_in_fp32(query, settings.cpu_fp32_gemm_dtypes)):
+            or query.dtype in settings.cpu_fp32_gemm_dtypes):
         return False
     if query.dtype == torch.bfloat16 and cpu_has_amx_bf16():
         tokens = min(query.shape[0], key.shape[0])
