@@ -32,6 +32,10 @@
   group) receives its split sizes as numpy arrays (the dispatcher copies the token counts to the host);
   NCCL's binding of ``all_to_all_single`` takes them, gloo's wants lists of ints ("incompatible function
   arguments"). They are handed on as lists (the autograd function keeps them for backward too).
+* ``parallel_state.get_nccl_options`` builds ``ProcessGroupNCCL.Options`` for the groups named in
+  ``--nccl-communicator-config-path`` or in ``high_priority_stream_groups`` (Megatron-LM 0.15 puts ``dp_cp``
+  there for ``--use-torch-fsdp2``); a CPU-only torch has no ``ProcessGroupNCCL``, and the groups are gloo's,
+  which take no NCCL options: there are none.
 * ``fusions.fused_indices_converter.fused_indices_to_multihot`` (the flex dispatcher's top-k indices to a
   multi-hot routing map, experimental) is a triton kernel that allocates on CUDA. Off CUDA the same
   contract runs as two torch scatters (``indices_to_multihot``); its backward is their gather.
@@ -254,4 +258,11 @@ def process_group_patches():
              name="gloo groups: record the groups the model-parallel state makes"),
         wrap("megatron.core.parallel_state:destroy_model_parallel", wrap_destroy, expect="()",
              name="gloo groups: destroy them with the state (their threads end)"),
+        replace("megatron.core.parallel_state:get_nccl_options", no_nccl_options, expect="(pg_name, nccl_comm_cfgs)",
+                name="gloo groups: no NCCL communicator options"),
     ]
+
+
+def no_nccl_options(pg_name, nccl_comm_cfgs):
+    """The groups are gloo's, which take no NCCL options (a CPU-only torch has no ``ProcessGroupNCCL``)."""
+    return None

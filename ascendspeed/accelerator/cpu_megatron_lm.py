@@ -43,15 +43,17 @@ CPU_ARGUMENT_DEFAULTS = {
     "distributed_backend": ("gloo", "--distributed-backend gloo"),
 }
 
-#: Megatron-LM MoE flags that need CUDA-only libraries: (dest, value that is refused, the flag, why, the fix),
-#: refused before Megatron-LM's own validation. ``--moe-grouped-gemm`` runs on the TE fallback's grouped linears
+#: Megatron-LM flags that need CUDA-only code: (dest, value that is refused, the flag, why, the fix), refused
+#: before Megatron-LM's own validation. ``--moe-grouped-gemm`` runs on the TE fallback's grouped linears
 #: (``te_fallback.grouped_linear``); its CUDA compute-capability check is answered in ``validation_environment``.
-CPU_MOE_REFUSALS = (
+CPU_REFUSALS = (
     ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
      "the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only",
      "use --moe-token-dispatcher-type alltoall (or allgather)"),
+    ("use_megatron_fsdp", True, "--use-megatron-fsdp",
+     "Megatron-FSDP names its devices 'cuda:<index>' and keeps CUDA RNG generators and memory statistics",
+     "use --use-torch-fsdp2 (torch's FSDP2 shards on the CPU) or --use-distributed-optimizer"),
 )
-
 
 
 class CpuArgumentError(ValueError):
@@ -109,7 +111,7 @@ def check_cpu_arguments(args) -> None:
     warning = slow_bf16_warning() if getattr(args, "bf16", False) else None
     if warning is not None and getattr(args, "rank", 0) == 0:
         print(warning, file=sys.stderr, flush=True)
-    for dest, refused, flag, why, fix in CPU_MOE_REFUSALS:
+    for dest, refused, flag, why, fix in CPU_REFUSALS:
         if getattr(args, dest, None) == refused:
             raise CpuArgumentError(
                 f"ascendspeed runs Megatron-LM on the CPU (no GPU found, or ASCENDSPEED_DEVICE=cpu), which cannot "
@@ -133,8 +135,8 @@ def check_cpu_arguments(args) -> None:
 def validation_environment(args):
     """What ``validate_args`` asks of a CUDA device, answered for the CPU for the duration of the validation:
 
-    * ``CUDA_DEVICE_MAX_CONNECTIONS=1`` with tensor parallelism (it orders CUDA kernel launches, meaningless
-      on the CPU) is set;
+    * ``CUDA_DEVICE_MAX_CONNECTIONS`` (it orders CUDA kernel launches, meaningless on the CPU) is 1, which
+      tensor and context parallelism assert, except with Megatron-FSDP or torch FSDP2, which assert it is not;
     * ``--moe-grouped-gemm`` makes it assert a CUDA compute capability of 8 or more (TE's and the grouped_gemm
       package's kernels need it; before 0.16 also bf16, the legacy kernels' only dtype): the grouped linears
       that serve the flag here are ascendspeed's operators, which need neither, so the flag is lifted while
@@ -142,7 +144,10 @@ def validation_environment(args):
     """
     name = "CUDA_DEVICE_MAX_CONNECTIONS"
     before = os.environ.get(name)
-    os.environ[name] = "1"
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = "1"
     grouped_gemm = getattr(args, "moe_grouped_gemm", False)
     args.moe_grouped_gemm = False
     try:
@@ -150,7 +155,7 @@ def validation_environment(args):
     finally:
         args.moe_grouped_gemm = grouped_gemm
         if before is None:
-            del os.environ[name]
+            os.environ.pop(name, None)
         else:
             os.environ[name] = before
 

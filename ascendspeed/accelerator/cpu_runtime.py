@@ -26,7 +26,9 @@ each call site, these shims give the entry points the meaning they have when the
   the same memory shaped that way;
 * ``all_gather`` into a list of tensors of different sizes (NCCL gathers uneven shards: megatron-core's
   uneven DTensor gather, MoE's gathers by split sizes) pads every shard to the largest for gloo, which wants
-  them equal, and copies each into its tensor (an async call's copies happen in its ``wait()``).
+  them equal, and copies each into its tensor (an async call's copies happen in its ``wait()``);
+* a ``DeviceMesh`` of device type ``"cuda"`` is a CPU mesh (its groups are gloo's), so torch's FSDP2 keeps
+  its shards on the CPU.
 """
 from __future__ import annotations
 
@@ -120,6 +122,18 @@ def wrap_new_group(original):
         return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
 
     return new_group
+
+
+def wrap_device_mesh_init(original):
+    """``DeviceMesh("cuda", ...)`` as a CPU mesh: its groups are gloo's (NCCL's were refused above), and torch's
+    FSDP2 places shards on ``torch.device(mesh.device_type, torch.cuda.current_device())`` unless the mesh is
+    a CPU mesh (megatron-core builds its FSDP2 mesh with ``DeviceMesh.from_group(group, "cuda")``)."""
+
+    @functools.wraps(original)
+    def __init__(self, device_type, *args, **kwargs):
+        original(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    return __init__
 
 
 class CpuStream(torch.cpu.Stream):
@@ -310,6 +324,8 @@ def patches():
              name="cpu runtime: wrap init_process_group, gloo serves nccl"),
         wrap("torch.distributed.distributed_c10d:new_group", wrap_new_group, expect=EXISTS,
              name="cpu runtime: wrap new_group, gloo serves nccl"),
+        wrap("torch.distributed.device_mesh:DeviceMesh.__init__", wrap_device_mesh_init, expect=EXISTS,
+             name="cpu runtime: wrap DeviceMesh.__init__, a CUDA mesh is the CPU's"),
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
              expect="(output_tensor, input_tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),

@@ -87,8 +87,10 @@ def test_runtime_calls_do_nothing_and_report_no_cuda():
     assert torch.cuda.device_count() == 1  # the CPU: Megatron's harness computes rank % device_count()
 
 
-def test_a_request_for_nccl_is_served_by_gloo(tmp_path, caplog):
+def test_a_request_for_nccl_is_served_by_gloo_and_a_cuda_mesh_is_the_cpus(tmp_path, caplog):
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     with caplog.at_level(logging.WARNING, logger="ascendspeed"):
         dist.init_process_group(backend="nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1,
@@ -96,10 +98,22 @@ def test_a_request_for_nccl_is_served_by_gloo(tmp_path, caplog):
     try:
         assert dist.get_backend() == "gloo"
         assert dist.get_backend(dist.new_group([0], backend="nccl")) == "gloo"
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")  # megatron-core's FSDP2 mesh
+        assert mesh.device_type == "cpu" and init_device_mesh("cuda", (1,)).device_type == "cpu"
+        sharded = fully_shard(torch.nn.Linear(4, 2), mesh=mesh)
+        assert sharded.weight.device == torch.device("cpu")
     finally:
         dist.destroy_process_group()
     if caplog.records:  # said once per process: an earlier test may have said it
         assert "gloo" in caplog.text and "'nccl'" in caplog.text
+
+
+def test_groups_named_for_nccl_options_get_none():
+    """Megatron-LM 0.15 names ``dp_cp`` for high-priority NCCL streams with --use-torch-fsdp2; a CPU-only torch
+    has no ProcessGroupNCCL to build the options from, and gloo groups take none."""
+    from megatron.core import parallel_state
+
+    assert parallel_state.get_nccl_options("dp_cp", {"dp_cp": {"is_high_priority_stream": True}}) is None
 
 
 def _collectives_into_other_shapes(rank, world_size):

@@ -181,6 +181,17 @@ def test_async_ddp_two_processes_distributed_optimizer(launcher):
     assert all(n > 0 for n in calls.values()), calls
 
 
+def test_torch_fsdp2_gives_the_ddp_losses_with_fused_swiglu(launcher):
+    """--use-torch-fsdp2 (megatron-core builds its mesh with ``DeviceMesh.from_group(group, "cuda")``, which
+    failed on the CPU): 2 ranks shard the parameters, gradients and optimizer states, run the fused SwiGLU, and
+    train with the losses of Megatron's DDP on the same flags (dropout included: each rank draws as DDP's)."""
+    flags = ["--global-batch-size", "8", "--untie-embeddings-and-output-weights", "--swiglu", "--use-fused-swiglu"]
+    reference = _losses(launcher, 2, flags)
+    losses, calls = _train(launcher, 2, [*flags, "--use-torch-fsdp2"], "fused_swiglu", [SWIGLU_OP])
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls  # layers x micro-batches x iterations
+
+
 @pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["float16-optimizer", "distopt"])
 def test_reuse_fp32_param_two_processes_bit_identical(launcher, optimizer):
     """bf16 with and without --reuse-fp32-param: the same losses, to the last bit Megatron-LM prints."""
@@ -686,14 +697,17 @@ def test_moe_grouped_gemm_without_biases_has_no_bias_activation_fusion_to_refuse
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--moe-token-dispatcher-type", "flex"],
+    ([*MOE, "--moe-token-dispatcher-type", "flex"],
      "cannot run --moe-token-dispatcher-type flex: the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
+     "cannot run --use-megatron-fsdp: Megatron-FSDP names its devices 'cuda:<index>' and keeps CUDA RNG generators "
+     "and memory statistics. Fix: use --use-torch-fsdp2"),
 ])
-def test_moe_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
+def test_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
     """Refused before Megatron-LM's own validation, naming the flag and the alternative."""
     from ascendspeed.accelerator.cpu_megatron_lm import CpuArgumentError
 
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *MOE, *flags])
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY_GPT, *flags])
     args = megatron_lm_arguments.parse_args()
     with pytest.raises(CpuArgumentError, match=re.escape(message)):
         megatron_lm_arguments.validate_args(args, {})
