@@ -114,8 +114,8 @@ def select_device() -> str:
 
 def cpu_patches():
     """The shims of feature ``accelerator.cpu``, in the order they are applied."""
-    from ascendspeed.accelerator import (cpu_fusions, cpu_megatron_core, cpu_megatron_lm, cpu_optimizer, cpu_runtime,
-                                         cpu_tensors, triton_guard)
+    from ascendspeed.accelerator import (cpu_checkpoint_worker, cpu_fusions, cpu_megatron_core, cpu_megatron_lm,
+                                         cpu_optimizer, cpu_runtime, cpu_tensors, triton_guard)
 
     return (
         cpu_runtime.patches()
@@ -127,6 +127,7 @@ def cpu_patches():
         + cpu_megatron_lm.patches()
         + cpu_fusions.patches()
         + cpu_optimizer.patches()
+        + cpu_checkpoint_worker.patches()
         + triton_guard.patches()
     )
 

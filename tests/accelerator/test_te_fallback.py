@@ -281,6 +281,32 @@ def test_selective_recompute_of_the_layer_norms_runs_without_transformer_engine(
         torch.testing.assert_close(found[2][name], grad, rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_optimizer_config_without_a_learning_rate_builds_as_with_te(megatron_world, optimizer):
+    """``OptimizerConfig()`` leaves ``lr`` to the scheduler; TE's FusedAdam takes it, torch's Adam / SGD raised
+    a TypeError. Built now with rate 0 (a step moves nothing), the config unchanged; once the groups' rate is
+    set, steps move the parameters."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    shape = mu.TinyGPT(num_layers=1)
+    model = mu.wrap_ddp(mu.build_model_chunks(shape.config(), shape))
+    config = OptimizerConfig(optimizer=optimizer, weight_decay=0.0, clip_grad=0.0)
+    wrapped = get_megatron_optimizer(config, model)
+    assert config.lr is None
+    groups = wrapped.param_groups
+    assert groups and all(group["lr"] == 0.0 for group in groups)
+    params = [param for group in groups for param in group["params"]]
+    before = [param.detach().clone() for param in params]
+    for param in params:
+        param.main_grad = torch.ones_like(param)
+    wrapped.step()
+    assert all(torch.equal(param, old) for param, old in zip(params, before))
+    for group in groups:
+        group["lr"] = 0.5
+    wrapped.step()
+    assert all(not torch.equal(param, old) for param, old in zip(params, before))
+
+
 def test_clip_vit_model_builds_with_its_default_norms(megatron_world):
     """megatron-core's CLIPViTModel (vision encoders, MIMO) defaults its norms to torch.nn.LayerNorm without TE,
     which build_module cannot build ("unexpected keyword argument 'config'"): the TENorm stand-in serves them."""

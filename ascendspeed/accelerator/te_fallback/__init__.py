@@ -23,7 +23,8 @@ get the stand-ins too.
 megatron-core would take TE's fused kernels. ``thd.py`` splits a packed batch over the context-parallel ranks
 where megatron-core asks TE's extension. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput``
 (selective recompute of norms, MoE activations, MLA up projections) off Transformer Engine's fp8 state, which it
-asked for even with fp8 off.
+asked for even with fp8 off. ``optimizer.py`` lets megatron-core's torch optimizers be made from a config without a
+learning rate, as TE's ``FusedAdam`` is.
 
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
 ops, the legacy grouped_gemm experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
@@ -48,9 +49,9 @@ def serves_local_modules(args) -> bool:
 
 
 def patches():
-    from ascendspeed.accelerator.te_fallback import recompute, rope, standins, thd
+    from ascendspeed.accelerator.te_fallback import optimizer, recompute, rope, standins, thd
 
-    return standins.patches() + recompute.patches() + rope.patches() + thd.patches()
+    return standins.patches() + recompute.patches() + rope.patches() + thd.patches() + optimizer.patches()
 
 
 def check_arguments(args) -> None:
