@@ -16,8 +16,11 @@ import sys
 
 from ascendspeed.patching import EXISTS, wrap
 
-#: megatron-core's optimizer builder, whose module says whether it fell back to torch's optimizers.
-BUILDER_MODULE = "megatron.core.optimizer"
+
+
+def _uses_torch_optimizers() -> bool:
+    """Whether megatron-core fell back to torch's optimizers (neither TE nor apex imported)."""
+    return getattr(sys.modules["megatron.core.optimizer"], "USING_PYTORCH_OPTIMIZER", False)
 
 
 def wrap_optimizer_builder(original):
@@ -25,7 +28,7 @@ def wrap_optimizer_builder(original):
 
     @functools.wraps(original)
     def build(config, *args, **kwargs):
-        if config.lr is not None or not getattr(sys.modules[BUILDER_MODULE], "USING_PYTORCH_OPTIMIZER", False):
+        if config.lr is not None or not _uses_torch_optimizers():
             return original(config, *args, **kwargs)
         config.lr = 0.0
         try:
@@ -39,6 +42,6 @@ def wrap_optimizer_builder(original):
 def patches():
     # The wrapper reads only the config, the first argument in every release; the rest differs between them.
     return [
-        wrap(f"{BUILDER_MODULE}:_get_megatron_optimizer_based_on_param_groups", wrap_optimizer_builder,
+        wrap("megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups", wrap_optimizer_builder,
              expect=EXISTS, name="TE fallback: wrap the optimizer builder, torch's optimizers without a config lr"),
     ]
