@@ -140,9 +140,12 @@ def _run_session(tree: Path, targets: list[str], processes: int, timeout: float)
         ranks, start = [], time.perf_counter()
         for rank in range(processes):
             report = Path(scratch) / f"rank{rank}.xml"
+            # Each rank's own base folder under this session's scratch: Megatron's shared checkpoint folder
+            # (``tmp_path_dist_ckpt``, beside the base folder) is then the session's, and no other pytest session
+            # on the machine prunes it as one of its old numbered folders.
             command = [sys.executable, "-m", "pytest", "-p", "ascendspeed.megatron_adaptor", "-p", "no:cacheprovider",
                        "-q", "--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(tree),
-                       *targets]
+                       f"--basetemp={Path(scratch) / f'rank{rank}'}", *targets]
             ranks.append((report, subprocess.Popen(command, cwd=tree, env=dict(environment, RANK=str(rank),
                                                                                LOCAL_RANK=str(rank)),
                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
