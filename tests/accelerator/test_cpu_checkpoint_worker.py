@@ -28,11 +28,11 @@ def test_persistent_worker_saves_what_a_synchronous_save_saves(tmp_path):
     with mu.one_process_world():
         for folder in ("async", "sync"):
             (tmp_path / folder).mkdir()
+        # megatron-core's own strategy; from 0.19 ``save`` defaults to nvidia-resiliency-ext's
+        strategy = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
         calls = AsyncCallsQueue(persistent=True)
         try:
-            megatron_core_async = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(save).parameters else {}
-            calls.schedule_async_request(save(sharded(), str(tmp_path / "async"), async_sharded_save=True,
-                                              **megatron_core_async))
+            calls.schedule_async_request(save(sharded(), str(tmp_path / "async"), async_sharded_save=True, **strategy))
             save(sharded(), str(tmp_path / "sync"))
             calls.maybe_finalize_async_calls(blocking=True)
         finally:

@@ -17,7 +17,6 @@ import sys
 from ascendspeed.patching import EXISTS, wrap
 
 
-
 def _uses_torch_optimizers() -> bool:
     """Whether megatron-core fell back to torch's optimizers (neither TE nor apex imported)."""
     return getattr(sys.modules["megatron.core.optimizer"], "USING_PYTORCH_OPTIMIZER", False)
