@@ -19,7 +19,10 @@ each call site, these shims give the entry points the meaning they have when the
   RNG seeding when it is 0, leaving Megatron half initialised without an error;
 * ``torch.distributed.init_process_group`` / ``new_group`` asked for ``nccl`` (Megatron's default and its
   test harness's) get ``gloo``, and say so once: NCCL needs CUDA devices, gloo runs the same collectives on
-  CPU tensors. A ``device_id`` naming a CUDA device is dropped (gloo binds no device);
+  CPU tensors. A ``device_id`` naming a CUDA device is dropped (gloo binds no device). Those groups connect
+  on their first collective, as NCCL's communicators do, not when they are made, as gloo's do: code that
+  makes groups per rank which no collective ever uses (Megatron's custom-process-group tests) runs with
+  NCCL and deadlocked with eager gloo (``TORCH_GLOO_LAZY_INIT``; a value the user set is kept);
 * ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` take the flat tensor of ``world x`` the shard's
   elements that NCCL takes (``gather_split_1d_tensor`` gathers 2-D shards into a 1-D tensor): gloo splits
   the big tensor along its first dimension and wants each piece shaped as the shard, so it gets a view of
@@ -32,8 +35,10 @@ each call site, these shims give the entry points the meaning they have when the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -84,7 +89,7 @@ def device_count() -> int:
 
 def _gloo_for_nccl(backend):
     """``backend`` with every NCCL request served by gloo (``"nccl"``, ``Backend.NCCL``, ``"cpu:gloo,cuda:nccl"``)."""
-    if backend is None or "nccl" not in str(backend).lower():
+    if not _asks_for_nccl(backend):
         return backend
     if not _gloo_for_nccl.said:
         logger.warning("ascendspeed: the CPU serves torch.distributed backend %r with gloo (NCCL needs CUDA devices)",
@@ -94,6 +99,32 @@ def _gloo_for_nccl(backend):
 
 
 _gloo_for_nccl.said = False
+
+
+_GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def _asks_for_nccl(backend) -> bool:
+    return "nccl" in str(backend).lower()
+
+
+@contextlib.contextmanager
+def _connecting_lazily_as_nccl(backend):
+    """Gloo groups made in this block connect on first use where NCCL (which connects lazily) was asked for,
+    by name or, for ``backend=None``, as the world's backend; torch reads ``TORCH_GLOO_LAZY_INIT`` when it makes
+    each gloo group."""
+    as_nccl = _asks_for_nccl(backend) if backend is not None else _connecting_lazily_as_nccl.world_asked_for_nccl
+    if not as_nccl or _GLOO_LAZY_INIT in os.environ:
+        yield
+        return
+    os.environ[_GLOO_LAZY_INIT] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(_GLOO_LAZY_INIT, None)
+
+
+_connecting_lazily_as_nccl.world_asked_for_nccl = False
 
 
 def _without_cuda_device(device_id):
@@ -107,7 +138,9 @@ def wrap_init_process_group(original):
     def init_process_group(backend=None, *args, **kwargs):
         if "device_id" in kwargs:
             kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
-        return original(_gloo_for_nccl(backend), *args, **kwargs)
+        _connecting_lazily_as_nccl.world_asked_for_nccl = _asks_for_nccl(backend)
+        with _connecting_lazily_as_nccl(backend):
+            return original(_gloo_for_nccl(backend), *args, **kwargs)
 
     return init_process_group
 
@@ -119,7 +152,8 @@ def wrap_new_group(original):
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
         if "device_id" in kwargs:
             kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
-        return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
+        with _connecting_lazily_as_nccl(backend):
+            return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
 
     return new_group
 

@@ -2,6 +2,7 @@
 import argparse
 import importlib.util
 import logging
+import os
 
 import pytest
 import torch
@@ -116,6 +117,23 @@ def test_groups_named_for_nccl_options_get_none():
     assert parallel_state.get_nccl_options("dp_cp", {"dp_cp": {"is_high_priority_stream": True}}) is None
 
 
+def _world_asked_for_nccl(rank, world_size, store):
+    """Megatron's start: the world asked for NCCL (served by gloo, connecting lazily as NCCL does)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    pair = dist.new_group([0, 1])  # the world's backend, made by every rank and used
+    summed = torch.full((2,), float(rank + 1))
+    dist.all_reduce(summed, group=pair)
+    if rank == 0:  # made by one rank and never used: NCCL never connects it, eager gloo waited for rank 1
+        dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10), backend="nccl")
+    dist.barrier()
+    return summed, os.environ.get("TORCH_GLOO_LAZY_INIT")
+
+
 def _collectives_into_other_shapes(rank, world_size):
     import torch.distributed as dist
 
@@ -134,13 +152,28 @@ def _collectives_into_other_shapes(rank, world_size):
     return gathered, scattered, gather_split_1d_tensor(shard, dist.group.WORLD), uneven, empty_shard
 
 
-def test_collectives_take_the_tensors_nccl_takes():
+@pytest.fixture(scope="module")
+def nccl_world_job(tmp_path_factory):
+    """One 2-rank job: the world asked for NCCL, then NCCL's collective shapes on it."""
+    from tests.helpers.distributed import call, run_distributed_cases
+
+    store = tmp_path_factory.mktemp("nccl_world") / "store"
+    return run_distributed_cases(call, 2, [(_world_asked_for_nccl, str(store)), (_collectives_into_other_shapes,)],
+                                 timeout=120)
+
+
+def test_groups_asked_for_nccl_connect_on_first_use_as_nccl_does(nccl_world_job):
+    """Megatron's custom-process-group tests make groups per rank that nothing uses; NCCL connects a group on its
+    first collective, so they run on GPUs, and deadlocked over gloo, which connected every group when made."""
+    for rank, (summed, lazy_init_left_set) in enumerate(nccl_world_job[0]):
+        assert torch.equal(summed, torch.full((2,), 3.0))
+        assert lazy_init_left_set is None  # the setting is scoped to the groups NCCL was asked for
+
+
+def test_collectives_take_the_tensors_nccl_takes(nccl_world_job):
     """The flat tensors of all_gather_into_tensor / reduce_scatter_tensor, and all_gather's shards of different
     sizes (an empty one too, and async), which gloo refused."""
-    from tests.helpers.distributed import run_distributed
-
-    results = run_distributed(_collectives_into_other_shapes, 2)
-    for rank, (gathered, scattered, megatron_gathered, uneven, empty_shard) in enumerate(results):
+    for rank, (gathered, scattered, megatron_gathered, uneven, empty_shard) in enumerate(nccl_world_job[1]):
         expected = torch.cat([torch.arange(8.0), torch.arange(8.0) + 100])
         torch.testing.assert_close(gathered, expected, rtol=0, atol=0)
         torch.testing.assert_close(megatron_gathered, expected, rtol=0, atol=0)
