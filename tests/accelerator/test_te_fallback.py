@@ -51,6 +51,24 @@ def test_the_te_classes_are_the_stand_ins_and_listed():
     assert "megatron.core.models.gpt.gpt_layer_specs:TESpecProvider" in targets
 
 
+def test_the_te_spec_providers_q_k_norm_is_an_rms_norm_as_with_te():
+    """Megatron's MLA tests take megatron-core's TESpecProvider directly; its q/k norm was apex's FusedLayerNorm
+    (TE's version reads 0 without TE), which refused RMSNorm."""
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    provider = TESpecProvider()
+    assert provider.layer_norm(rms_norm=True, for_qk=True) is te_classes.TENorm
+    assert isinstance(standins.TESpecProvider(), TESpecProvider)  # gpt_layer_specs' name builds the same
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, normalization="RMSNorm",
+                               params_dtype=torch.float64)
+    norm = build_module(provider.layer_norm(rms_norm=True, for_qk=True), config=config, hidden_size=8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
 def test_upstream_constructor_of_a_class_stubbed_on_a_mock_is_checked():
     original = MANAGER.original("megatron.core.extensions.transformer_engine:TERowParallelLinear")
     assert describe_signature(original).startswith("(input_size, output_size, *, config, init_method, bias, ")

@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -293,11 +292,3 @@ class LocalTEDotProductAttention(DotProductAttention):
                 return context
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-
-
-class LocalTESpecProvider(TESpecProvider):
-    """megatron-core's ``TESpecProvider``, except that the q/k norm is a ``TENorm`` too: upstream asks the TE
-    version there (below 1.9 it picks apex's norm), and without TE the version is 0."""
-
-    def layer_norm(self, rms_norm=False, for_qk=False, *args, **kwargs):
-        return super().layer_norm(rms_norm, False, *args, **kwargs)

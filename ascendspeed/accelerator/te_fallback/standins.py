@@ -130,9 +130,10 @@ class TERowParallelGroupedLinear(_StandIn):
 
 
 class TESpecProvider(_StandIn):
-    """gpt_layer_specs' ``TESpecProvider()``: megatron-core's provider, the q/k norm a ``TENorm`` too."""
+    """gpt_layer_specs' ``TESpecProvider()``: megatron-core's provider (its q/k norm a ``TENorm`` too, below)."""
 
-    builder = "LocalTESpecProvider"
+    module = "megatron.core.extensions.transformer_engine_spec_provider"
+    builder = "TESpecProvider"
 
 
 for _stand_in in (TENorm, TELinear, TELayerNormColumnParallelLinear, TELayerNormColumnParallelLinearGathered,
@@ -216,6 +217,18 @@ def wrap_torch_norm_new(original):
     return __new__
 
 
+def wrap_spec_provider_layer_norm(original):
+    """The q/k norm is a ``TENorm`` like the others: megatron-core's ``TESpecProvider.layer_norm(for_qk=True)``
+    picks apex's ``FusedLayerNorm`` below TE 1.9 (TE's norm then hurt convergence), and without TE the version
+    reads 0, so every q/k norm became apex's, which has no RMSNorm and needs apex."""
+
+    @functools.wraps(original)
+    def layer_norm(self, rms_norm=False, for_qk=False, *args, **kwargs):
+        return original(self, rms_norm, False, *args, **kwargs)
+
+    return layer_norm
+
+
 def _name(name: str) -> str:
     return f"TE fallback: replace {name} with megatron-core's local modules"
 
@@ -288,6 +301,13 @@ def patches() -> list[Patch]:
         replace("megatron.core.models.gpt.gpt_layer_specs:TESpecProvider", TESpecProvider,
                 expect=_NONE, megatron=">=0.17", name=gpt),
         replace("megatron.core.models.gpt.gpt_layer_specs:TENorm", TENorm, expect=_NONE, megatron=">=0.17", name=gpt),
+        wrap("megatron.core.extensions.transformer_engine_spec_provider:TESpecProvider.layer_norm",
+             wrap_spec_provider_layer_norm, expect="(self, rms_norm=False, for_qk=False)",
+             megatron="<0.17", name="TE fallback: the TE spec provider's q/k norm is TENorm"),
+        wrap("megatron.core.extensions.transformer_engine_spec_provider:TESpecProvider.layer_norm",
+             wrap_spec_provider_layer_norm,
+             expect="(self, rms_norm=False, for_qk=False, has_residual=False)",
+             megatron=">=0.17", name="TE fallback: the TE spec provider's q/k norm is TENorm"),
         # moe_module_specs' get_moe_module_spec(use_te=True) (the hybrid specs' MoE layers) builds a
         # TESpecProvider, bound before 0.16 only where TE imports.
         replace("megatron.core.models.gpt.moe_module_specs:TESpecProvider", TESpecProvider, expect=ABSENT,
