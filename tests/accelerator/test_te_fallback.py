@@ -69,6 +69,36 @@ def test_the_te_spec_providers_q_k_norm_is_an_rms_norm_as_with_te():
     torch.testing.assert_close(norm(x), expected)
 
 
+def test_te_attention_runs_on_explicit_process_groups_without_model_parallel_state(tmp_path):
+    """TE's attention needs no model-parallel state: Megatron's multi-module pipeline tests build models on
+    HyperCommGrid groups alone, where the stand-in's local attention found no global memory buffer."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.transformer.enums import AttnMaskType
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        parallel_state.destroy_model_parallel()
+        assert parallel_state._GLOBAL_MEMORY_BUFFER is None
+        get_cuda_rng_tracker().add("model-parallel-rng", 1)  # what model_parallel_cuda_manual_seed adds
+        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                                   params_dtype=torch.float64)
+        groups = ProcessGroupCollection(tp=dist.group.WORLD, cp=dist.group.WORLD)
+        attention = te_classes.TEDotProductAttention(config, 1, AttnMaskType.causal, "self", pg_collection=groups)
+        query, key, value = (torch.randn(5, 3, 2, 8, dtype=torch.float64) for _ in range(3))  # [s, b, heads, d]
+        out = attention(query, key, value, None, attn_mask_type=AttnMaskType.causal)
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key) / 8 ** 0.5
+        scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), value).reshape(5, 3, 16)
+        torch.testing.assert_close(out, expected)
+    finally:
+        get_cuda_rng_tracker().reset()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def test_upstream_constructor_of_a_class_stubbed_on_a_mock_is_checked():
     original = MANAGER.original("megatron.core.extensions.transformer_engine:TERowParallelLinear")
     assert describe_signature(original).startswith("(input_size, output_size, *, config, init_method, bias, ")

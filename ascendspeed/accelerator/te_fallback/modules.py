@@ -290,5 +290,17 @@ class LocalTEDotProductAttention(DotProductAttention):
                                             fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
             if context is not None:
                 return context
+        _make_the_global_memory_buffer_where_missing()
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+
+def _make_the_global_memory_buffer_where_missing() -> None:
+    """megatron-core's local attention takes its scores from ``parallel_state``'s global memory buffer, which
+    ``initialize_model_parallel`` makes; TE's attention needs no model-parallel state, so a model built on
+    explicit process groups alone (``HyperCommGrid``: Megatron's multi-module pipeline tests) stopped at "global
+    memory buffer is not initialized". The buffer is made where it is missing."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
