@@ -3,6 +3,11 @@
 Every ``*.cpp`` under ``ascendspeed/csrc/`` is compiled into one torch extension, so a new kernel is
 just a new source file. Build with ``pip install --no-build-isolation -e .`` (build isolation would
 download a different torch than the pinned one).
+
+The library uses libtorch and CPython's stable ABI only (``py_limited_api``): one ``_C.abi3.so`` serves
+every Python with the same torch. ``ASCENDSPEED_BUILD_C=0`` installs the package without building it, for
+an environment that reuses the library already built in the tree (scripts/bootstrap.sh checks that it was
+built from these sources for this torch).
 """
 import glob
 import os
@@ -36,14 +41,16 @@ setup(
         "bench": ["matplotlib"],
         "npu": ["torch_npu"],
     },
-    ext_modules=[
+    ext_modules=[] if os.environ.get("ASCENDSPEED_BUILD_C") == "0" else [
         CppExtension(
             name="ascendspeed._C",
             sources=SOURCES,
             # at::parallel_for is inlined into the extension: without -fopenmp it runs single-threaded.
             extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
             extra_link_args=["-fopenmp"],
+            py_limited_api=True,
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -76,6 +76,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "impo
   else
     "${pip[@]}" -r requirements.txt
   fi
-  "${pip[@]}" --no-build-isolation --no-deps -e .
+  # The operator library (ascendspeed/_C.abi3.so: libtorch and CPython's stable ABI) serves every Python with
+  # the same torch release, its CPU and CUDA builds alike (their headers differ only in CUDA's): an environment
+  # whose torch release and sources match the last build's reuses it instead of compiling it again.
+  library_stamp=ascendspeed/.C-build
+  library_want=$( (cat setup.py $(find ascendspeed/csrc -type f | sort); "$VENV/bin/python" -c \
+    "import torch; print(torch.__version__.split('+')[0], torch.compiled_with_cxx11_abi())") \
+    | sha256sum | cut -d' ' -f1)
+  if [ -f ascendspeed/_C.abi3.so ] && [ "$(cat "$library_stamp" 2>/dev/null)" = "$library_want" ]; then
+    ASCENDSPEED_BUILD_C=0 "${pip[@]}" --no-build-isolation --no-deps -e .
+  else
+    rm -f ascendspeed/_C.*.so "$library_stamp"  # a per-Python library would shadow the shared one
+    "${pip[@]}" --no-build-isolation --no-deps -e .
+    echo "$library_want" > "$library_stamp"
+  fi
+  "$VENV/bin/python" -c "import torch, ascendspeed._C" || {
+    echo "bootstrap: ascendspeed._C does not import in $VENV" >&2
+    exit 1
+  }
   echo "$want" > "$stamp"
 fi
