@@ -82,6 +82,7 @@ def test_te_attention_runs_on_explicit_process_groups_without_model_parallel_sta
     try:
         parallel_state.destroy_model_parallel()
         assert parallel_state._GLOBAL_MEMORY_BUFFER is None
+        get_cuda_rng_tracker().reset()  # an earlier test's seeds may still be tracked
         get_cuda_rng_tracker().add("model-parallel-rng", 1)  # what model_parallel_cuda_manual_seed adds
         config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
                                    params_dtype=torch.float64)
