@@ -10,6 +10,16 @@ resume:
   optimizer has no parameter state yet, and Megatron-LM's ``torch_dist`` load calls ``state_dict`` on one
   (``sharded_state_dict(is_loading=True)``): a bare ``AssertionError``. Here the parameters without a step
   count as having taken the others' step (0 before the first), for that call only.
+* An optimizer that holds no parameter at all has no step to collect: the expert optimizer of a pipeline
+  stage without MoE layers (``--moe-layer-freq`` with dense stages, e.g. DeepSeek's first dense layers under
+  PP). Saving failed on that assertion, and the ranks of other stages waited in the checkpoint's collectives
+  for good. Its step is its chain's: ``ChainedOptimizer._synchronize_steps`` (called before every save and
+  after every load, to align the steps TE's fused Adam keeps per parameter group) leaves torch's per-parameter
+  steps alone, so here it also hands the step of the chain's parameters to the parameter groups of its
+  optimizers that hold none, and such an optimizer reports the step of its groups. It matters: in the
+  ``fully_reshardable`` format the optimizers' parameter groups are common state, written by rank 0 alone and
+  loaded by every rank, so the expert optimizers of the MoE stages resume at the step rank 0's empty one
+  reports.
 * ``load_state_dict`` puts *one* step tensor into every parameter's state; ``torch.optim.Adam`` increments
   each parameter's step in place, so after a resume one step advances the count by the number of
   parameters (wrong bias correction). Each parameter gets its own copy.
@@ -53,12 +63,30 @@ def _parameters(optimizer):
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
+#: The key of the stand-in state of an optimizer without parameters: a key no parameter can have.
+_NO_PARAMETER = "ascendspeed: the step of an optimizer without parameters"
+
+
+def _parameter_steps(optimizer) -> set[float]:
+    return {float(s["step"]) for s in optimizer.state.values() if "step" in s}
+
+
 @contextlib.contextmanager
 def _every_parameter_has_a_step(optimizer):
     """Parameters without a ``step`` in their state get the step the others have (0 when none has one)
-    until the block ends; their state is then as it was."""
+    until the block ends; their state is then as it was. An optimizer without parameters holds, for as
+    long, one stand-in state with the step of its parameter groups (its chain's, 0 if they have none)."""
     state = optimizer.state
-    steps = {float(s["step"]) for s in state.values() if "step" in s}
+    if not _parameters(optimizer):
+        group_steps = {float(group["step"]) for group in optimizer.param_groups if "step" in group}
+        step = group_steps.pop() if len(group_steps) == 1 else 0.0
+        state[_NO_PARAMETER] = {"step": torch.tensor(step, dtype=torch.float32)}
+        try:
+            yield
+        finally:
+            del state[_NO_PARAMETER]
+        return
+    steps = _parameter_steps(optimizer)
     if len(steps) > 1:
         yield  # Megatron's own assertion reports the disagreement
         return
@@ -89,6 +117,29 @@ def wrap_state_dict(original):
             return original(self)
 
     return state_dict
+
+
+def wrap_synchronize_steps(original):
+    """``ChainedOptimizer._synchronize_steps``, then the chain's step (that of its parameters' states) in the
+    parameter groups of its torch-Adam optimizers that hold no parameter."""
+
+    @functools.wraps(original)
+    def _synchronize_steps(self):
+        result = original(self)
+        if not uses_torch_adam():
+            return result
+        inner = [getattr(optimizer, "optimizer", None) for optimizer in self.chained_optimizers]
+        inner = [optimizer for optimizer in inner if isinstance(optimizer, torch.optim.Optimizer)]
+        steps = set().union(*(_parameter_steps(optimizer) for optimizer in inner))
+        if len(steps) == 1:
+            step = steps.pop()
+            for optimizer in inner:
+                if not _parameters(optimizer):
+                    for group in optimizer.param_groups:
+                        group["step"] = step
+        return result
+
+    return _synchronize_steps
 
 
 def wrap_load_state_dict(original):
@@ -155,6 +206,9 @@ def patches():
         wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", wrap_state_dict,
              expect="(self)",
              name="torch adam checkpoints: wrap state_dict, parameters without a step yet count the others' step"),
+        wrap("megatron.core.optimizer.optimizer:ChainedOptimizer._synchronize_steps", wrap_synchronize_steps,
+             expect="(self)",
+             name="torch adam checkpoints: wrap _synchronize_steps, optimizers without parameters take the chain's step"),
         wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict", wrap_load_state_dict,
              expect="(self, state_dict)",
              name="torch adam checkpoints: wrap load_state_dict, one step tensor per parameter, not a shared one"),

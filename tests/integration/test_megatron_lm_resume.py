@@ -70,6 +70,11 @@ FAMILIES = {
     "ep2-moe": ["--use-distributed-optimizer", "--num-experts", "4", "--moe-router-topk", "2",
                 "--moe-aux-loss-coeff", "1e-2", "--expert-model-parallel-size", "2",
                 "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion"],
+    # on 4 ranks: MoE layers on the second pipeline stage only (as DeepSeek's first dense layers under PP), over 2
+    # expert-parallel ranks: megatron-core gives the first stage an expert optimizer without parameters
+    "pp2-ep2-moe-dense-first": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
+                                "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                                "--moe-layer-freq", "[0,1]"],
     "dp2-no-dropout": NO_DROPOUT,
     "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
     "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],
@@ -79,6 +84,8 @@ FAMILIES = {
                          "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                          "--num-layers-per-virtual-pipeline-stage", "1", "--overlap-grad-reduce"],
 }
+#: The processes of a family's runs where not 2.
+PROCESSES = {"pp2-ep2-moe-dense-first": 4}
 #: Across layouts the reductions differ (a tensor-parallel all-reduce against one GEMM): the entry's layout
 #: tests allow the same.
 ACROSS_LAYOUTS_TOLERANCE = 2e-5
@@ -100,12 +107,12 @@ def _launcher(tmp_root) -> str:
     return path
 
 
-def _train(launcher, flags):
+def _train(launcher, flags, processes=2):
     environment = {**os.environ, "ASCENDSPEED_DEVICE": "cpu", "MEGATRON_LM_PATH": MEGATRON_LM_PATH,
                    "OMP_NUM_THREADS": "1"}
     environment.pop("MAKEFLAGS", None)
-    returncode, output = run_job(launcher, 2, [*TINY_GPT, *flags], env=environment, cwd=os.path.dirname(launcher),
-                                 timeout=600)
+    returncode, output = run_job(launcher, processes, [*TINY_GPT, *flags], env=environment,
+                                 cwd=os.path.dirname(launcher), timeout=600)
     assert returncode == 0, f"Megatron-LM failed (exit {returncode}):\n{output[-6000:]}"
     return {int(step): float(loss) for step, loss in LOSS.findall(output)}, output
 
@@ -117,18 +124,19 @@ def launcher(tmp_path_factory):
 
 @functools.cache
 def _uninterrupted(launcher, family):
-    losses, _ = _train(launcher, FAMILIES[family])
+    losses, _ = _train(launcher, FAMILIES[family], PROCESSES.get(family, 2))
     assert sorted(losses) == list(range(1, ITERATIONS + 1)), losses
     return losses
 
 
-def _resumed(launcher, checkpoints, flags, resume_flags=None):
+def _resumed(launcher, checkpoints, flags, resume_flags=None, processes=2):
     """Train to ``SAVE_AT``, save and exit; then load (with ``resume_flags``, default the same flags) and train
     to ``ITERATIONS``: the resumed losses."""
     saved, _ = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
-                                 "--exit-interval", str(SAVE_AT)])
+                                 "--exit-interval", str(SAVE_AT)], processes)
     assert sorted(saved) == list(range(1, SAVE_AT + 1)), saved
-    resumed, output = _train(launcher, [*(flags if resume_flags is None else resume_flags), "--load", checkpoints])
+    resumed, output = _train(launcher, [*(flags if resume_flags is None else resume_flags), "--load", checkpoints],
+                             processes)
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERATIONS + 1)), f"{resumed}\n{output[-3000:]}"
     return saved, resumed
 
@@ -138,7 +146,8 @@ def _check(launcher, tmp_path, family, extra, tolerance, resume_in=None):
     iteration's loss is the uninterrupted run's, to ``tolerance`` relative (0: equal as printed)."""
     reference = _uninterrupted(launcher, family)
     resume_flags = None if resume_in is None else [*FAMILIES[resume_in], *extra]
-    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags)
+    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags,
+                              PROCESSES.get(family, 2))
     assert saved == {step: reference[step] for step in saved}, (saved, reference)
     expected = {step: (reference[step], tolerance) for step in resumed}
     if SECOND_ITERATION_IS_A_MEAN:
@@ -178,6 +187,15 @@ def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher,
     saves its own layers), CP 2, EP 2 (MoE), and fp16 with virtual pipeline stages and ``--overlap-grad-reduce``,
     with the distributed optimizer, in ``torch_dist``."""
     _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
+
+
+def test_an_expert_optimizer_without_parameters_resumes_at_its_chain_s_step(launcher, tmp_path):
+    """The first stage's expert optimizer holds no parameter (``--moe-layer-freq [0,1]``, PP 2 x EP 2): saving
+    stopped on megatron-core's torch-Adam ``assert len(steps) == 1`` while the other stage waited. In the
+    reshardable format the optimizers' parameter groups are common state that rank 0 writes, so the second
+    stage's experts resume at the step rank 0's empty optimizer reports: the chain's (feature
+    ``accelerator.torch_adam``), else Adam's bias correction restarts and the resumed losses leave the curve."""
+    _check(launcher, tmp_path, "pp2-ep2-moe-dense-first", ["--ckpt-format", "torch_dist", *RESHARDABLE], 1e-6)
 
 
 @pytest.mark.parametrize("saved_in, resumed_in", [("tp2-no-dropout", "dp2-no-dropout"),
