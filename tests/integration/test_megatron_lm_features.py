@@ -89,6 +89,9 @@ TINY_GPT = [
     "--micro-batch-size", "2", "--train-iters", str(ITERATIONS), "--lr", "2e-3", "--lr-decay-style", "constant",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
     "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+    # data loading in the training process: the loader's worker processes are torch's, not what these jobs
+    # check, and cost ~1 s per job (Megatron's default of 2 workers runs in the resume and entry tests)
+    "--num-workers", "0",
 ]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.Ee+-]+)")
 CALLS = re.compile(r"^calls rank=(\d+) (\S+) (\d+)$", re.MULTILINE)

@@ -168,6 +168,7 @@ def _resume_worker(rank, world_size, directory):
     return outcomes
 
 
+@pytest.mark.entry_supervision
 def test_resume_with_a_different_schedule_is_refused_unless_told_which_wins(tmp_path):
     results = run_distributed(_resume_worker, 2, str(tmp_path / "ckpt"), timeout=400)
     for outcome in results:
@@ -206,6 +207,7 @@ def _missing_checkpoint_worker(rank, world_size, root):
     return outcomes
 
 
+@pytest.mark.entry_supervision
 def test_a_load_that_finds_nothing_is_an_error_and_never_rolls_back_a_checkpoint(tmp_path):
     results = run_distributed(_missing_checkpoint_worker, 2, str(tmp_path), timeout=300)
     for outcome in results:
@@ -292,6 +294,7 @@ def _full_disk_worker(rank, world_size, root):
     }
 
 
+@pytest.mark.entry_supervision
 def test_a_full_disk_names_the_file_and_keeps_the_previous_checkpoint(tmp_path):
     results = run_distributed(_full_disk_worker, 2, str(tmp_path), timeout=300)
     for rank, outcome in enumerate(results):
@@ -312,6 +315,7 @@ def _divergence_worker(rank, world_size, directory):
     return {"error": error, "latest": int(tracker.read_text()) if tracker.exists() else None}
 
 
+@pytest.mark.entry_supervision
 def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
     import torch
 
@@ -329,6 +333,7 @@ def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
         assert tensors and all(torch.isfinite(t).all() for t in tensors.values())
 
 
+@pytest.mark.entry_supervision
 def test_torchrun_exits_non_zero_with_one_line_on_divergence(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -606,6 +611,7 @@ def _save_directory_worker(rank, world_size, root):
     return outcomes
 
 
+@pytest.mark.entry_supervision
 def test_a_save_directory_in_use_is_refused_and_a_failed_save_names_its_true_cause(tmp_path):
     from ascendspeed.training.save_lock import SaveDirectoryLock
 
@@ -670,6 +676,7 @@ def _stop_job(launcher: subprocess.Popen) -> None:
         launcher.wait()
 
 
+@pytest.mark.entry_supervision
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds torchrun's workers through /proc")
 def test_a_frozen_rank_stops_every_rank_within_the_stall_timeout_naming_it(tmp_path):
     import time
@@ -701,6 +708,7 @@ def test_a_frozen_rank_stops_every_rank_within_the_stall_timeout_naming_it(tmp_p
     assert took < 30, f"the job took {took:.0f} s to stop"
 
 
+@pytest.mark.entry_supervision
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs a POSIX process group")
 def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
     import glob
@@ -736,6 +744,7 @@ def test_sigterm_during_a_save_leaves_no_temporary_file(tmp_path):
         assert stored_tensors(directory / f"iter_{int(tracker.read_text()):07d}")
 
 
+@pytest.mark.entry_supervision
 def test_a_sigterm_that_lands_in_a_weakref_callback_still_stops_the_run():
     """Python swallows an exception raised inside a weakref callback (it only reports it as "Exception
     ignored in"); a SIGTERM whose handler ran there must still stop the run (CI saw a rank save on after it)."""
