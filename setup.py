@@ -46,7 +46,11 @@ setup(
             name="ascendspeed._C",
             sources=SOURCES,
             # at::parallel_for is inlined into the extension: without -fopenmp it runs single-threaded.
-            extra_compile_args=["-O3", "-std=c++17", "-fopenmp"],
+            # Operators are included one by one (ATen/ops/<name>.h): ATen/ATen.h, which the define refuses,
+            # parses every operator's declaration in each file. No debug information (Python's CFLAGS ask for
+            # -g): it doubles the compile time of torch's templates; ASCENDSPEED_DEBUG_INFO=1 keeps it.
+            extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-DTORCH_ASSERT_ONLY_METHOD_OPERATORS",
+                                *([] if os.environ.get("ASCENDSPEED_DEBUG_INFO") == "1" else ["-g0"])],
             extra_link_args=["-fopenmp"],
             py_limited_api=True,
         )

@@ -12,7 +12,7 @@
 #include "alibi_bias_kernels.h"
 #include "../common/cpu_isa.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 

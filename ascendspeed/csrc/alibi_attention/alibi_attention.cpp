@@ -11,7 +11,9 @@
 // kernels), the memory layout and the choice of CPU kernel; the kernels are in
 // alibi_attention_kernels_impl.h. Autograd and the kernels for other devices are registered from
 // Python by ascendspeed/ops/alibi_flash_attention.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 

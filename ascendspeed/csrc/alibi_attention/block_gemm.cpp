@@ -11,7 +11,8 @@
 // the instructions.
 #include "block_gemm.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>

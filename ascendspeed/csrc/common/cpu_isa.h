@@ -3,8 +3,11 @@
 // operator's .cpp, not from a kernels_<isa>.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 
 #include <cstdint>
 #include <string>

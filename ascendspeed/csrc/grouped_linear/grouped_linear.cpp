@@ -17,7 +17,9 @@
 //
 // This file owns the schemas, the argument checks (shared by the CPU and the Meta kernels) and the CPU kernels;
 // autograd and the kernels of other devices are registered by ascendspeed/ops/grouped_linear.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>

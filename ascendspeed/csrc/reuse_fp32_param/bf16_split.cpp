@@ -10,7 +10,8 @@
 // order of the passes, which is what makes the overlap of the fp32 region with its own bf16 halves and
 // remainders safe. The CUDA / NPU kernels (a torch composition) are registered from Python by
 // ascendspeed/ops/bf16_split.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

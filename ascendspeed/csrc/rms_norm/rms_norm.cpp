@@ -8,7 +8,9 @@
 // This file owns the schemas, the argument checks (one function per operator, used by the CPU and the
 // Meta kernels) and the choice of CPU kernel; the kernels are in rms_norm_kernels_impl.h. Autograd and
 // the CUDA / NPU kernels are registered from Python by ascendspeed/ops/rms_norm.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
@@ -126,7 +128,7 @@ const CpuKernels& cpu_kernels() {
 // The factor each column is multiplied by, in the math type, contiguous.
 at::Tensor gamma_of(const at::Tensor& weight, const at::Tensor& x, bool zero_centered_gamma) {
   auto gamma = weight.to(opmath_type(x)).contiguous();
-  return zero_centered_gamma ? gamma + 1 : gamma;
+  return zero_centered_gamma ? gamma.add(1) : gamma;
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(

@@ -10,7 +10,8 @@
 // This file owns the schemas, the argument checks (one function, used by the CPU and the Meta kernels
 // of both operators) and the choice of CPU kernel; the kernels are in rotary_kernels_impl.h. Autograd
 // and the CUDA / NPU kernels are registered from Python by ascendspeed/ops/rotary.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 

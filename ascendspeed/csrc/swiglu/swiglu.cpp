@@ -9,7 +9,10 @@
 // of CPU kernel; the kernels are in swiglu_kernels_impl.h. FakeTensor and torch.compile use the Meta
 // kernels below. Autograd and the CUDA / NPU kernels are registered from Python by
 // ascendspeed/ops/swiglu.py; those kernels validate by running the Meta kernel.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <torch/library.h>
