@@ -2,7 +2,7 @@
 entry, on the same model with Megatron's defaults.
 
     python bench/megatron_lm_step.py [--megatron-lm ../shared/megatron-lm/core_v0.19.0] [--rounds 3]
-        [--output bench/results/megatron_lm_step.json]
+        [--megatron-lm-args "--num-workers 0"] [--output bench/results/megatron_lm_step.json]
 
 Both run under ``torchrun --nproc-per-node 2`` on the CPU over gloo, one thread per rank, alternating round by
 round so machine noise hits both alike: the entry's default model (GPT 4 layers, hidden 128, 4 heads, GeLU
@@ -68,8 +68,8 @@ def entry(args) -> float:
 
 
 def megatron_lm(args, launcher: str) -> float:
-    output = torchrun(args, [launcher, *MEGATRON_LM_FLAGS, "--train-iters", str(args.train_iters),
-                             "--log-interval", str(args.log_interval)])
+    output = torchrun(args, [launcher, *MEGATRON_LM_FLAGS, *args.megatron_lm_args.split(),
+                             "--train-iters", str(args.train_iters), "--log-interval", str(args.log_interval)])
     milliseconds = [float(value) for value in MEGATRON_LM_ITERATION_MS.findall(output)]
     return statistics.median(GLOBAL_BATCH * SEQUENCE / (ms / 1e3) for ms in milliseconds[1:])
 
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--train-iters", type=int, default=60)
     parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--megatron-lm-args", default="",
+                        help="more Megatron-LM flags, e.g. '--num-workers 0' (data loaded in the training process)")
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args(argv)
     args.megatron_lm = os.path.abspath(args.megatron_lm)
