@@ -9,8 +9,8 @@ sharing one file interleave a line of one rank into an unterminated line of anot
 failure rule: when a rank fails, the others are stopped (a job whose rank 0 lost the probed rendezvous port to
 another process is started again on another). Each rank is a fork of this server, which has done nothing but
 imports and torch.compile's one-time set-up, so it starts as a fresh interpreter would after
-``import ascendspeed.megatron_adaptor`` and Megatron-LM's imports, without their ~8 s of CPU per rank, nor the
-~4 s of its first compile.
+``import ascendspeed.megatron_adaptor`` and Megatron-LM's imports, without their ~8 s of CPU per rank, nor ~2 s of
+its first compile.
 """
 from __future__ import annotations
 
@@ -137,8 +137,8 @@ def _run_ranks(request: dict, port: int) -> dict:
 
 def _initialize_the_compiler() -> None:
     """Do torch.compile's one-time work here, not in every forked rank: importing inductor, registering its
-    pattern passes, probing the CPU's vector ISA and precompiling its header with the C++ compiler. Each rank
-    spent ~4 s of its start on it in Megatron-LM's JIT warm-up (``set_jit_fusion_options``). The graph is an
+    pattern passes, probing the CPU's vector ISA and precompiling its header with the C++ compiler. Megatron-LM's JIT
+    warm-up (``set_jit_fusion_options``) took 3.1-3.6 s per rank with it, 1.5 s without. The graph is an
     inference one, compiled past the caches so that every step runs: compiling one with gradients runs the
     autograd engine, whose threads a forked child cannot use. One compile thread: a rank must not inherit the
     server's compile workers."""

@@ -10,8 +10,8 @@
 // kernels below. Autograd and the CUDA / NPU kernels are registered from Python by
 // ascendspeed/ops/swiglu.py; those kernels validate by running the Meta kernel.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
