@@ -131,22 +131,23 @@ def _uninterrupted(launcher, family):
 
 def _resumed(launcher, checkpoints, flags, resume_flags=None, processes=2):
     """Train to ``SAVE_AT``, save and exit; then load (with ``resume_flags``, default the same flags) and train
-    to ``ITERATIONS``: the resumed losses."""
-    saved, _ = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
+    to ``ITERATIONS``: the saving run's losses, the resumed losses and the saving run's output."""
+    saved, saving_output = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
                                  "--exit-interval", str(SAVE_AT)], processes)
     assert sorted(saved) == list(range(1, SAVE_AT + 1)), saved
     resumed, output = _train(launcher, [*(flags if resume_flags is None else resume_flags), "--load", checkpoints],
                              processes)
     assert sorted(resumed) == list(range(SAVE_AT + 1, ITERATIONS + 1)), f"{resumed}\n{output[-3000:]}"
-    return saved, resumed
+    return saved, resumed, saving_output
 
 
 def _check(launcher, tmp_path, family, extra, tolerance, resume_in=None):
     """Save at ``SAVE_AT``, resume (in family ``resume_in``'s layout, default the same): every resumed
-    iteration's loss is the uninterrupted run's, to ``tolerance`` relative (0: equal as printed)."""
+    iteration's loss is the uninterrupted run's, to ``tolerance`` relative (0: equal as printed). Returns the
+    saving run's output."""
     reference = _uninterrupted(launcher, family)
     resume_flags = None if resume_in is None else [*FAMILIES[resume_in], *extra]
-    saved, resumed = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags,
+    saved, resumed, saving_output = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags,
                               PROCESSES.get(family, 2))
     assert saved == {step: reference[step] for step in saved}, (saved, reference)
     expected = {step: (reference[step], tolerance) for step in resumed}
@@ -156,10 +157,25 @@ def _check(launcher, tmp_path, family, extra, tolerance, resume_in=None):
     for step, loss in resumed.items():
         value, rel = expected[step]
         assert loss == pytest.approx(value, rel=rel, abs=0), (step, resumed, reference)
+    return saving_output
 
 
 def test_distributed_optimizer_torch_format_fp32(launcher, tmp_path):
     _check(launcher, tmp_path, "fp32", ["--use-distributed-optimizer", "--ckpt-format", "torch"], 1e-6)
+
+
+#: Megatron-LM's asynchronous save: its persistent checkpoint worker, a spawned process (started through
+#: ascendspeed on the CPU, ``accelerator/cpu_checkpoint_worker.py``), writes the checkpoint while training goes
+#: on. From 0.17 Megatron-LM's default strategy is nvidia-resiliency-ext's (CUDA-only); ``--async-strategy mcore``
+#: selects megatron-core's own.
+ASYNC_SAVE = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--async-save",
+              "--use-persistent-ckpt-worker",
+              *(["--async-strategy", "mcore"] if release(installed_megatron_core() or "0") >= release("0.17") else [])]
+
+
+def test_an_asynchronous_save_through_the_persistent_worker_resumes(launcher, tmp_path):
+    output = _check(launcher, tmp_path, "fp32", ASYNC_SAVE, 1e-6)
+    assert f"scheduled an async checkpoint save at iteration {SAVE_AT:7d}" in output, output[-3000:]
 
 
 @pytest.mark.slow  # the torch_dist paths of the bf16 test below and the fp32 state of the one above
