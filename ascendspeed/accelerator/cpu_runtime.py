@@ -22,7 +22,9 @@ each call site, these shims give the entry points the meaning they have when the
   CPU tensors. A ``device_id`` naming a CUDA device is dropped (gloo binds no device). Those groups connect
   on their first collective, as NCCL's communicators do, not when they are made, as gloo's do: code that
   makes groups per rank which no collective ever uses (Megatron's custom-process-group tests) runs with
-  NCCL and deadlocked with eager gloo (``TORCH_GLOO_LAZY_INIT``; a value the user set is kept);
+  NCCL and deadlocked with eager gloo (``TORCH_GLOO_LAZY_INIT``; a value the user set is kept). Their names
+  carry their members' ranks besides torch's count of groups, since gloo looks its peers up in the store by
+  name and ranks that make groups in different orders gave one name to groups of different ranks;
 * ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` take the flat tensor of ``world x`` the shard's
   elements that NCCL takes (``gather_split_1d_tensor`` gathers 2-D shards into a 1-D tensor): gloo splits
   the big tensor along its first dimension and wants each piece shaped as the shard, so it gets a view of
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -152,10 +155,46 @@ def wrap_new_group(original):
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
         if "device_id" in kwargs:
             kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
-        with _connecting_lazily_as_nccl(backend):
+        as_nccl = _asks_for_nccl(backend) if backend is not None else _connecting_lazily_as_nccl.world_asked_for_nccl
+        with _connecting_lazily_as_nccl(backend), _naming_by_members(as_nccl):
             return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
 
     return new_group
+
+
+@contextlib.contextmanager
+def _naming_by_members(active: bool):
+    previous = _naming_by_members.active
+    _naming_by_members.active = active
+    try:
+        yield
+    finally:
+        _naming_by_members.active = previous
+
+
+_naming_by_members.active = False
+
+
+def wrap_process_group_name(original):
+    """``_process_group_name`` adding the members' ranks to the name of a gloo group that serves NCCL.
+
+    torch names a group by a per-process count of ``new_group`` calls, and a gloo group finds its members'
+    addresses in the store under that name. Ranks that make different groups in different orders (Megatron's
+    multi-module pipelines: each module's ranks make its embedding groups) then give one name to two groups of
+    different ranks, whose members read each other's addresses, connect to the wrong processes and wait for good.
+    NCCL's subgroups are split from the world's communicator and never look their name up. With the ranks in
+    the name such groups stay apart, and the members of one group, which made the same calls before it, still
+    agree on its name."""
+
+    @functools.wraps(original)
+    def _process_group_name(ranks, use_hashed_name):
+        name = original(ranks, use_hashed_name)
+        if use_hashed_name or not _naming_by_members.active or not ranks:
+            return name
+        members = hashlib.sha1(",".join(str(rank) for rank in sorted(ranks)).encode()).hexdigest()[:16]
+        return f"{name}@{members}"
+
+    return _process_group_name
 
 
 def wrap_device_mesh_init(original):
@@ -358,6 +397,9 @@ def patches():
              name="cpu runtime: wrap init_process_group, gloo serves nccl"),
         wrap("torch.distributed.distributed_c10d:new_group", wrap_new_group, expect=EXISTS,
              name="cpu runtime: wrap new_group, gloo serves nccl"),
+        wrap("torch.distributed.distributed_c10d:_process_group_name", wrap_process_group_name,
+             expect="(ranks, use_hashed_name)",
+             name="cpu runtime: wrap _process_group_name, gloo groups serving nccl named by their members too"),
         wrap("torch.distributed.device_mesh:DeviceMesh.__init__", wrap_device_mesh_init, expect=EXISTS,
              name="cpu runtime: wrap DeviceMesh.__init__, a CUDA mesh is the CPU's"),
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,

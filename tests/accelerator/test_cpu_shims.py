@@ -183,6 +183,30 @@ def test_collectives_take_the_tensors_nccl_takes(nccl_world_job):
             assert torch.equal(values, torch.arange(3.0 * peer, dtype=torch.bfloat16))
 
 
+def _pairs_made_by_their_members_only(rank, world_size, store):
+    """Megatron's multi-module pipelines: each module's ranks make their own groups (its embedding groups), so
+    ranks 0-1 and ranks 2-3 each make one group here, and torch's per-process count gives both the same name."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    pair = dist.new_group([0, 1] if rank < 2 else [2, 3], backend="nccl")
+    summed = torch.full((3,), float(rank + 1))
+    dist.all_reduce(summed, group=pair)
+    return summed
+
+
+def test_groups_of_other_ranks_that_torch_names_alike_stay_apart(tmp_path):
+    """Both pairs were named alike, and a gloo group finds its members' addresses in the store by its name: the
+    members of one pair connected to the other pair's processes and waited for good (Megatron's
+    test_multimodule_schedules at 8 ranks). Their names now carry their members' ranks."""
+    from tests.helpers.distributed import run_distributed
+
+    results = run_distributed(_pairs_made_by_their_members_only, 4, str(tmp_path / "store"), timeout=60)
+    for rank, summed in enumerate(results):
+        assert torch.equal(summed, torch.full((3,), 3.0 if rank < 2 else 7.0)), (rank, summed)
+
+
 def test_streams_and_events_are_inert_but_time():
     stream = torch.cuda.Stream(device="cuda", priority=-1)
     with torch.cuda.stream(stream):
