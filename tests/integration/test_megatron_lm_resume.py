@@ -147,8 +147,8 @@ def _check(launcher, tmp_path, family, extra, tolerance, resume_in=None):
     saving run's output."""
     reference = _uninterrupted(launcher, family)
     resume_flags = None if resume_in is None else [*FAMILIES[resume_in], *extra]
-    saved, resumed, saving_output = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra], resume_flags,
-                              PROCESSES.get(family, 2))
+    saved, resumed, saving_output = _resumed(launcher, str(tmp_path / "checkpoints"), [*FAMILIES[family], *extra],
+                                             resume_flags, PROCESSES.get(family, 2))
     assert saved == {step: reference[step] for step in saved}, (saved, reference)
     expected = {step: (reference[step], tolerance) for step in resumed}
     if SECOND_ITERATION_IS_A_MEAN:
