@@ -111,13 +111,17 @@ def _asks_for_nccl(backend) -> bool:
     return "nccl" in str(backend).lower()
 
 
+def _serves_nccl(backend) -> bool:
+    """Whether a group of ``backend`` is gloo serving NCCL: asked for by name or, for ``backend=None``, as the
+    world's backend."""
+    return _asks_for_nccl(backend) if backend is not None else _connecting_lazily_as_nccl.world_asked_for_nccl
+
+
 @contextlib.contextmanager
 def _connecting_lazily_as_nccl(backend):
-    """Gloo groups made in this block connect on first use where NCCL (which connects lazily) was asked for,
-    by name or, for ``backend=None``, as the world's backend; torch reads ``TORCH_GLOO_LAZY_INIT`` when it makes
-    each gloo group."""
-    as_nccl = _asks_for_nccl(backend) if backend is not None else _connecting_lazily_as_nccl.world_asked_for_nccl
-    if not as_nccl or _GLOO_LAZY_INIT in os.environ:
+    """Gloo groups made in this block connect on first use where NCCL (which connects lazily) was asked for;
+    torch reads ``TORCH_GLOO_LAZY_INIT`` when it makes each gloo group."""
+    if not _serves_nccl(backend) or _GLOO_LAZY_INIT in os.environ:
         yield
         return
     os.environ[_GLOO_LAZY_INIT] = "1"
@@ -155,8 +159,7 @@ def wrap_new_group(original):
     def new_group(ranks=None, timeout=None, backend=None, *args, **kwargs):
         if "device_id" in kwargs:
             kwargs["device_id"] = _without_cuda_device(kwargs["device_id"])
-        as_nccl = _asks_for_nccl(backend) if backend is not None else _connecting_lazily_as_nccl.world_asked_for_nccl
-        with _connecting_lazily_as_nccl(backend), _naming_by_members(as_nccl):
+        with _connecting_lazily_as_nccl(backend), _naming_by_members(_serves_nccl(backend)):
             return original(ranks, timeout, _gloo_for_nccl(backend), *args, **kwargs)
 
     return new_group

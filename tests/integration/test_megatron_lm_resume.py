@@ -133,7 +133,7 @@ def _resumed(launcher, checkpoints, flags, resume_flags=None, processes=2):
     """Train to ``SAVE_AT``, save and exit; then load (with ``resume_flags``, default the same flags) and train
     to ``ITERATIONS``: the saving run's losses, the resumed losses and the saving run's output."""
     saved, saving_output = _train(launcher, [*flags, "--save", checkpoints, "--save-interval", str(SAVE_AT),
-                                 "--exit-interval", str(SAVE_AT)], processes)
+                                             "--exit-interval", str(SAVE_AT)], processes)
     assert sorted(saved) == list(range(1, SAVE_AT + 1)), saved
     resumed, output = _train(launcher, [*(flags if resume_flags is None else resume_flags), "--load", checkpoints],
                              processes)
@@ -166,8 +166,8 @@ def test_distributed_optimizer_torch_format_fp32(launcher, tmp_path):
 
 #: Megatron-LM's asynchronous save: its persistent checkpoint worker, a spawned process (started through
 #: ascendspeed on the CPU, ``accelerator/cpu_checkpoint_worker.py``), writes the checkpoint while training goes
-#: on. From 0.17 Megatron-LM's default strategy is nvidia-resiliency-ext's (CUDA-only); ``--async-strategy mcore``
-#: selects megatron-core's own.
+#: on. From 0.17 Megatron-LM's default strategy is nvidia-resiliency-ext's (not installed here);
+#: ``--async-strategy mcore`` selects megatron-core's own.
 ASYNC_SAVE = ["--use-distributed-optimizer", "--ckpt-format", "torch_dist", "--async-save",
               "--use-persistent-ckpt-worker",
               *(["--async-strategy", "mcore"] if release(installed_megatron_core() or "0") >= release("0.17") else [])]
