@@ -7,11 +7,13 @@ some routes removed; capacity-padded, every expert exactly ``capacity`` tokens),
 / fp64, probs in fp32 (Megatron's router dtype) or the tokens' dtype, rows of 1 to 130 features.
 """
 import dataclasses
+import textwrap
 
 import pytest
 import torch
 
 from ascendspeed.ops.moe_permute import permute_tokens, sort_chunks, unpermute_tokens
+from tests.helpers.isa import check_under_isa
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -150,6 +152,35 @@ def test_sort_chunks_equals_megatron_bit_for_bit():
             ((out * grad).sum() + (out_probs * grad_probs).sum()).backward()
             ((expected * grad).sum() + (expected_probs * grad_probs).sum()).backward()
             assert torch.equal(x.grad, x_ref.grad) and torch.equal(p.grad, p_ref.grad)
+
+
+def test_kernels_are_vectorized_and_multi_threaded():
+    kernel = torch.ops.ascendspeed._moe_permute_cpu_kernel()
+    assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
+    assert kernel.split(",")[0] == torch.ops.ascendspeed._swiglu_cpu_kernel().split(",")[0]
+
+
+ISA_CHECK = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from ops import test_moe_permute as t
+    isa = torch.ops.ascendspeed._moe_permute_cpu_kernel().split(",")[0]
+    if isa != {isa!r}:
+        print("unsupported", isa)
+        raise SystemExit(0)
+    for with_probs in (False, True):
+        t.test_permute_equals_megatron_bit_for_bit(with_probs)
+        t.test_unpermute_equals_megatron_bit_for_bit(with_probs)
+    print("ok", isa)
+    """
+)
+
+
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX2"])
+def test_narrower_instruction_sets(isa):
+    """The kernels built for older CPUs give Megatron's bits too (torch picks them via ATEN_CPU_CAPABILITY)."""
+    check_under_isa(ISA_CHECK, isa)
 
 
 def test_gradcheck_float64():

@@ -14,24 +14,18 @@
 //
 // Numerics are megatron-core's unfused path to the bit: products with probs are taken in the promoted dtype
 // of (x, probs) and rounded there; sums over a token's rows run in row order from zero, in float for
-// bfloat16 / float16 as scatter_add / index_add accumulate, and are rounded to the input dtype once. Contraction into fused multiply-adds
-// would change the rounding, so this file is compiled without it.
+// bfloat16 / float16 as scatter_add / index_add accumulate, and are rounded to the input dtype once.
 //
 // This file owns the schemas, the argument checks (shared by the CPU and the Meta kernels) and the CPU
-// kernels; autograd and the kernels of other devices are registered by ascendspeed/ops/moe_permute.py.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
+// operators; their row loops are compiled once per instruction set (moe_permute_kernels.h). Autograd and
+// the kernels of other devices are registered by ascendspeed/ops/moe_permute.py.
+#include "moe_permute_kernels.h"
+#include "../common/cpu_isa.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/promote_types.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -164,26 +158,21 @@ at::ScalarType compute_type(const at::Tensor& x, const std::optional<at::Tensor>
 }
 
 // The probs of each row, as the compute type (one scalar per row).
-template <typename acc_t>
-std::vector<acc_t> row_probs(const at::Tensor& row_id_map, int64_t num_tokens, const at::Tensor& probs) {
-  const at::Tensor p = probs.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-  const acc_t* pp = p.const_data_ptr<acc_t>();
+at::Tensor row_probs(const at::Tensor& row_id_map, int64_t num_tokens, const at::Tensor& probs, at::ScalarType acc) {
+  const at::Tensor p = probs.to(acc).contiguous();
+  at::Tensor out = at::empty({row_id_map.numel()}, p.options());
   const int64_t experts = p.size(1);
   const int64_t* ids = row_id_map.const_data_ptr<int64_t>();
-  std::vector<acc_t> out(row_id_map.numel());
+  const int64_t element = p.element_size();
+  const char* from = static_cast<const char*>(p.const_data_ptr());
+  char* to = static_cast<char*>(out.mutable_data_ptr());
   for (int64_t r = 0; r < row_id_map.numel(); ++r) {
     const int64_t t = ids[r] % num_tokens;
     const int64_t e = ids[r] / num_tokens;
-    out[r] = pp[t * experts + e];
+    std::memcpy(to + r * element, from + (t * experts + e) * element, element);
   }
   return out;
 }
-
-// For every token, its rows in ascending order (compressed: rows of token t are rows[start[t] .. start[t+1])).
-struct RowsOfTokens {
-  std::vector<int64_t> start;
-  std::vector<int64_t> rows;
-};
 
 RowsOfTokens rows_of_tokens(const int64_t* ids, int64_t n, int64_t num_tokens) {
   RowsOfTokens index{std::vector<int64_t>(num_tokens + 1, 0), std::vector<int64_t>(n)};
@@ -200,29 +189,10 @@ RowsOfTokens rows_of_tokens(const int64_t* ids, int64_t n, int64_t num_tokens) {
   return index;
 }
 
-// Token by token: each token's row is read once and written to each of its rows while it is in cache (a
-// row-order gather would read it once per expert).
-template <typename scalar_t, typename acc_t>
-void gather_rows(
-    const scalar_t* x, const acc_t* probs, const RowsOfTokens& index, scalar_t* out, int64_t num_tokens,
-    int64_t width) {
-  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* src = x + t * width;
-      for (int64_t i = index.start[t]; i < index.start[t + 1]; ++i) {
-        const int64_t r = index.rows[i];
-        scalar_t* dst = out + r * width;
-        if (probs == nullptr) {
-          std::memcpy(dst, src, sizeof(scalar_t) * width);
-        } else {
-          const acc_t p = probs[r];
-          for (int64_t h = 0; h < width; ++h) {
-            dst[h] = static_cast<scalar_t>(static_cast<acc_t>(src[h]) * p);
-          }
-        }
-      }
-    }
-  });
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels& kernels =
+      cpu::widest_kernels(cpu_kernels_avx512(), cpu_kernels_avx2(), cpu_kernels_default());
+  return kernels;
 }
 
 at::Tensor gather_cpu(const at::Tensor& x_in, const at::Tensor& row_id_map_in, const std::optional<at::Tensor>& probs) {
@@ -240,57 +210,11 @@ at::Tensor gather_cpu(const at::Tensor& x_in, const at::Tensor& row_id_map_in, c
   if (out.numel() == 0) {
     return out;
   }
-  const int64_t width = row_width(x);
   const RowsOfTokens index = rows_of_tokens(row_id_map.const_data_ptr<int64_t>(), rows, num_tokens);
-  const auto acc = compute_type(x, probs);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_gather", [&] {
-    using x_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc, "moe_gather_compute", [&] {
-      using acc_t = scalar_t;
-      std::vector<acc_t> p;
-      if (probs.has_value()) {
-        p = row_probs<acc_t>(row_id_map, num_tokens, *probs);
-      }
-      gather_rows<x_t, acc_t>(
-          x.const_data_ptr<x_t>(), probs.has_value() ? p.data() : nullptr, index, out.mutable_data_ptr<x_t>(),
-          num_tokens, width);
-    });
-  });
+  const at::Tensor p =
+      probs.has_value() ? row_probs(row_id_map, num_tokens, *probs, compute_type(x, probs)) : at::Tensor();
+  cpu_kernels().gather_rows(x, p, index, out);
   return out;
-}
-
-// acc_t: the dtype products are taken and rounded in; sums run in its opmath type (float for bfloat16 and
-// float16, as scatter_add and index_add accumulate) and are rounded to acc_t, then to scalar_t, once.
-template <typename scalar_t, typename acc_t>
-void scatter_add_rows(
-    const scalar_t* y, const acc_t* probs, const RowsOfTokens& index, scalar_t* out, int64_t num_tokens,
-    int64_t width) {
-  using sum_t = at::opmath_type<acc_t>;
-  at::parallel_for(0, num_tokens, 4, [&](int64_t begin, int64_t end) {
-    std::vector<sum_t> sum(width);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(sum.begin(), sum.end(), sum_t(0));
-      for (int64_t i = index.start[t]; i < index.start[t + 1]; ++i) {
-        const int64_t r = index.rows[i];
-        const scalar_t* src = y + r * width;
-        if (probs == nullptr) {
-          for (int64_t h = 0; h < width; ++h) {
-            sum[h] = sum[h] + static_cast<sum_t>(static_cast<acc_t>(src[h]));
-          }
-        } else {
-          const acc_t p = probs[r];
-          for (int64_t h = 0; h < width; ++h) {
-            const acc_t product = static_cast<acc_t>(src[h]) * p;
-            sum[h] = sum[h] + static_cast<sum_t>(product);
-          }
-        }
-      }
-      scalar_t* dst = out + t * width;
-      for (int64_t h = 0; h < width; ++h) {
-        dst[h] = static_cast<scalar_t>(static_cast<acc_t>(sum[h]));
-      }
-    }
-  });
 }
 
 at::Tensor scatter_add_cpu(
@@ -312,23 +236,10 @@ at::Tensor scatter_add_cpu(
   if (out.numel() == 0) {
     return out;
   }
-  const int64_t width = row_width(y.size(0) == 0 ? out : y);
-  const int64_t* ids = row_id_map.const_data_ptr<int64_t>();
-  const RowsOfTokens index = rows_of_tokens(ids, row_id_map.numel(), num_tokens);
-  const auto acc = compute_type(y, probs);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "moe_scatter_add", [&] {
-    using y_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, acc, "moe_scatter_add_compute", [&] {
-      using acc_t = scalar_t;
-      std::vector<acc_t> p;
-      if (probs.has_value()) {
-        p = row_probs<acc_t>(row_id_map, num_tokens, *probs);
-      }
-      scatter_add_rows<y_t, acc_t>(
-          y.const_data_ptr<y_t>(), probs.has_value() ? p.data() : nullptr, index, out.mutable_data_ptr<y_t>(),
-          num_tokens, width);
-    });
-  });
+  const RowsOfTokens index = rows_of_tokens(row_id_map.const_data_ptr<int64_t>(), row_id_map.numel(), num_tokens);
+  const at::Tensor p =
+      probs.has_value() ? row_probs(row_id_map, num_tokens, *probs, compute_type(y, probs)) : at::Tensor();
+  cpu_kernels().scatter_add_rows(y, p, index, out);
   return out;
 }
 
@@ -426,7 +337,7 @@ at::Tensor sort_chunks_meta(const at::Tensor& x, const at::Tensor& split_sizes, 
 }  // namespace
 
 std::string cpu_kernel() {
-  return "moe_permute: C++, one pass per operator over at::parallel_for (no ISA variants: the operators copy)";
+  return cpu::describe_kernels(cpu_kernels().isa);
 }
 }  // namespace ascendspeed::moe_permute
 
