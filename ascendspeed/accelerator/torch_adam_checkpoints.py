@@ -37,9 +37,25 @@ resume:
   ("a view of a leaf Variable that requires grad is being used in an in-place operation"). The copy runs
   under ``torch.no_grad()``.
 
+* megatron-core's ``init_state_fn`` for Adam (made with every Adam optimizer, and called to give empty
+  parameters their state before a checkpoint is loaded, and by Megatron's own tests before they save) puts
+  ``exp_avg`` and ``exp_avg_sq`` into each empty parameter state, which is the whole state of TE's fused
+  Adam. torch's Adam treats a non-empty state as one that has taken steps and reads its ``step``: its first
+  update and its ``load_state_dict`` of such a state fail with ``KeyError: 'step'``. Wrapped where a
+  Megatron optimizer stores it (``MegatronOptimizer.__init__``) over a torch ``Adam`` / ``AdamW``, it also
+  gives each state it creates a ``step``: the others' (0 when none has one), one tensor each, where torch
+  itself would put it.
+
+* The non-distributed optimizers (``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``) save the step
+  of torch's Adam as one ``common_step`` and give it back to every parameter when loading, but only ``if
+  step:``: a step of 0 is not saved, and a checkpoint of TE's fused Adam has its step in the parameter
+  groups alone. Loading either into torch's Adam failed in torch's own ``load_state_dict`` with ``KeyError:
+  'step'``. Their ``load_state_dict`` now first gives each loaded parameter state without a step its
+  group's step from the checkpoint (0 where the group has none), where no ``common_step`` does.
+
 The patches act only when the installed megatron-core took the fallback (``HAVE_APEX_OR_TE`` is False),
-read when they are called (checkpoint code, never per training step); with apex or TE Megatron's code runs
-unchanged. They are applied on every device (feature ``accelerator.torch_adam``).
+read when they are called (checkpoint code, never per training step), or, for ``init_state_fn``, when the
+wrapped optimizer is torch's own Adam; with apex or TE Megatron's code runs unchanged. They are applied on every device (feature ``accelerator.torch_adam``).
 """
 from __future__ import annotations
 
@@ -49,7 +65,7 @@ import importlib
 
 import torch
 
-from ascendspeed.patching import wrap
+from ascendspeed.patching import EXISTS, wrap
 
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 
@@ -201,6 +217,79 @@ def wrap_set_main_param_and_optimizer_states(original):
     return _set_main_param_and_optimizer_states
 
 
+def _step_like_torch(optimizer, param, value: float) -> torch.Tensor:
+    """A ``step`` as torch's Adam makes it for ``param``: fp32 (fp64 under a float64 default), on the
+    parameter's device when the group is fused or capturable, else on the CPU."""
+    group = next(group for group in optimizer.param_groups if any(p is param for p in group["params"]))
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(value, dtype=dtype, device=param.device if on_device else "cpu")
+
+
+def with_steps_for_torch_adam(init_state_fn):
+    """``init_state_fn``, then a ``step`` in every parameter state it created: the others' step, 0 if none."""
+
+    @functools.wraps(init_state_fn)
+    def init_state(optimizer, *args, **kwargs):
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return init_state_fn(optimizer, *args, **kwargs)
+        empty = [param for param in _parameters(optimizer) if not optimizer.state.get(param)]
+        result = init_state_fn(optimizer, *args, **kwargs)
+        steps = _parameter_steps(optimizer)
+        step = steps.pop() if len(steps) == 1 else 0.0
+        for param in empty:
+            state = optimizer.state.get(param)
+            if state and "step" not in state:
+                state["step"] = _step_like_torch(optimizer, param, step)
+        return result
+
+    return init_state
+
+
+def wrap_megatron_optimizer_init(original):
+    """Megatron's constructor, then its ``init_state_fn`` made to leave states torch's Adam can step."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "init_state_fn", None) is not None:
+            self.init_state_fn = with_steps_for_torch_adam(self.init_state_fn)
+
+    return __init__
+
+
+def _steps_from_groups(optimizer_state_dict: dict) -> None:
+    """Each parameter state of a torch optimizer state dict that has no ``step`` takes its group's (0 when
+    the group has none), unless Megatron's own ``common_step`` is there to give it one."""
+    states = optimizer_state_dict.get("state", {})
+    if "common_step" in states:
+        return
+    for group in optimizer_state_dict.get("param_groups", []):
+        step = float(group.get("step") or 0.0)
+        for key in group["params"]:
+            state = states.get(key)
+            if state and "step" not in state:
+                state["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def wrap_load_state_dict_filling_steps(optimizer_state_dict_of):
+    """A non-distributed Megatron optimizer's ``load_state_dict`` that first fills in the steps torch's Adam
+    needs; ``optimizer_state_dict_of(state_dict)`` finds the torch optimizer's part of the checkpoint."""
+
+    def wrap_it(original):
+        @functools.wraps(original)
+        def load_state_dict(self, state_dict):
+            if type(getattr(self, "optimizer", None)) in (torch.optim.Adam, torch.optim.AdamW):
+                optimizer_state_dict = optimizer_state_dict_of(state_dict)
+                if isinstance(optimizer_state_dict, dict):
+                    _steps_from_groups(optimizer_state_dict)
+            return original(self, state_dict)
+
+        return load_state_dict
+
+    return wrap_it
+
+
 def patches():
     return [
         wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", wrap_state_dict,
@@ -218,4 +307,19 @@ def patches():
         wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
              wrap_set_main_param_and_optimizer_states, expect="(self, model_param, tensors)",
              name="torch adam checkpoints: wrap _set_main_param_and_optimizer_states, no autograd, step left alone"),
+        wrap("megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.load_state_dict",
+             wrap_load_state_dict_filling_steps(
+                 lambda state_dict: state_dict.get("optimizer", state_dict.get("optimizer_state_dict"))),
+             expect="(self, state_dict)",
+             name="torch adam checkpoints: wrap Float16OptimizerWithFloat16Params.load_state_dict, states without "
+                  "a step take their group's"),
+        wrap("megatron.core.optimizer.optimizer:FP32Optimizer.load_state_dict",
+             wrap_load_state_dict_filling_steps(lambda state_dict: state_dict), expect="(self, state_dict)",
+             name="torch adam checkpoints: wrap FP32Optimizer.load_state_dict, states without a step take their "
+                  "group's"),
+        # Every argument passes through and the optimizer's attribute is read after Megatron's constructor, so
+        # its signature (a lambda default, whose repr changes per process) need not be pinned.
+        wrap("megatron.core.optimizer.optimizer:MegatronOptimizer.__init__", wrap_megatron_optimizer_init,
+             expect=EXISTS, name="torch adam checkpoints: wrap MegatronOptimizer.__init__, init_state_fn gives torch "
+                                 "Adam's new states a step"),
     ]
