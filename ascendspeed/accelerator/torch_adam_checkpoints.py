@@ -65,6 +65,7 @@ import importlib
 
 import torch
 
+from ascendspeed.accelerator.cpu_optimizer import ADAM_CLASSES
 from ascendspeed.patching import EXISTS, wrap
 
 DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
@@ -217,10 +218,9 @@ def wrap_set_main_param_and_optimizer_states(original):
     return _set_main_param_and_optimizer_states
 
 
-def _step_like_torch(optimizer, param, value: float) -> torch.Tensor:
-    """A ``step`` as torch's Adam makes it for ``param``: fp32 (fp64 under a float64 default), on the
-    parameter's device when the group is fused or capturable, else on the CPU."""
-    group = next(group for group in optimizer.param_groups if any(p is param for p in group["params"]))
+def _step_like_torch(group: dict, param, value: float) -> torch.Tensor:
+    """A ``step`` as torch's Adam makes it for ``param`` of ``group``: fp32 (fp64 under a float64 default), on
+    the parameter's device when the group is fused or capturable, else on the CPU."""
     dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     on_device = group.get("fused") or group.get("capturable")
     return torch.tensor(value, dtype=dtype, device=param.device if on_device else "cpu")
@@ -231,16 +231,17 @@ def with_steps_for_torch_adam(init_state_fn):
 
     @functools.wraps(init_state_fn)
     def init_state(optimizer, *args, **kwargs):
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        if type(optimizer) not in ADAM_CLASSES:
             return init_state_fn(optimizer, *args, **kwargs)
-        empty = [param for param in _parameters(optimizer) if not optimizer.state.get(param)]
+        empty = [(group, param) for group in optimizer.param_groups for param in group["params"]
+                 if not optimizer.state.get(param)]
         result = init_state_fn(optimizer, *args, **kwargs)
         steps = _parameter_steps(optimizer)
         step = steps.pop() if len(steps) == 1 else 0.0
-        for param in empty:
+        for group, param in empty:
             state = optimizer.state.get(param)
             if state and "step" not in state:
-                state["step"] = _step_like_torch(optimizer, param, step)
+                state["step"] = _step_like_torch(group, param, step)
         return result
 
     return init_state
@@ -279,7 +280,7 @@ def wrap_load_state_dict_filling_steps(optimizer_state_dict_of):
     def wrap_it(original):
         @functools.wraps(original)
         def load_state_dict(self, state_dict):
-            if type(getattr(self, "optimizer", None)) in (torch.optim.Adam, torch.optim.AdamW):
+            if type(getattr(self, "optimizer", None)) in ADAM_CLASSES:
                 optimizer_state_dict = optimizer_state_dict_of(state_dict)
                 if isinstance(optimizer_state_dict, dict):
                     _steps_from_groups(optimizer_state_dict)
