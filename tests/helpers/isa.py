@@ -29,3 +29,10 @@ def check_under_isa(script: str, isa: str, timeout: float = 120) -> None:
     if done.stdout.startswith("unsupported"):
         pytest.skip(f"this CPU cannot run {isa} kernels ({done.stdout.strip()})")
     assert done.stdout.strip() == f"ok {isa}"
+
+
+def assert_vectorized_and_multi_threaded(kernel: str, reference: str) -> None:
+    """``kernel`` (an operator's ``_<op>_cpu_kernel()`` report, "AVX512, multi-threaded") runs on several
+    threads and on the instruction set of ``reference``, another operator's report."""
+    assert "multi-threaded" in kernel, f"{kernel}: add -fopenmp to the extension's compile and link flags"
+    assert kernel.split(",")[0] == reference.split(",")[0]
