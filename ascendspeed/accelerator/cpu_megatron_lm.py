@@ -50,9 +50,9 @@ CPU_REFUSALS = (
     ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
      "the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only",
      "use --moe-token-dispatcher-type alltoall (or allgather)"),
-    ("use_megatron_fsdp", True, "--use-megatron-fsdp",
-     "Megatron-FSDP names its devices 'cuda:<index>' and keeps CUDA RNG generators and memory statistics",
-     "use --use-torch-fsdp2 (torch's FSDP2 shards on the CPU) or --use-distributed-optimizer"),
+    ("nccl_ub", True, "--use-nccl-ub",
+     "it registers NCCL user buffers (NCCL's memory pool), and the CPU's collectives are gloo's",
+     "leave --use-nccl-ub out (Megatron-FSDP runs with its ordinary buffers)"),
 )
 
 
@@ -136,7 +136,7 @@ def validation_environment(args):
     """What ``validate_args`` asks of a CUDA device, answered for the CPU for the duration of the validation:
 
     * ``CUDA_DEVICE_MAX_CONNECTIONS`` (it orders CUDA kernel launches, meaningless on the CPU) is 1, which
-      tensor and context parallelism assert, except with torch FSDP2, which asserts it is not;
+      tensor and context parallelism assert, except with torch FSDP2 or Megatron-FSDP, which assert it is not;
     * ``--moe-grouped-gemm`` makes it assert a CUDA compute capability of 8 or more (TE's and the grouped_gemm
       package's kernels need it; before 0.16 also bf16, the legacy kernels' only dtype): the grouped linears
       that serve the flag here are ascendspeed's operators, which need neither, so the flag is lifted while
@@ -144,7 +144,7 @@ def validation_environment(args):
     """
     name = "CUDA_DEVICE_MAX_CONNECTIONS"
     before = os.environ.get(name)
-    if getattr(args, "use_torch_fsdp2", False):  # --use-megatron-fsdp was refused before (CPU_REFUSALS)
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         os.environ.pop(name, None)
     else:
         os.environ[name] = "1"

@@ -32,6 +32,10 @@ each call site, these shims give the entry points the meaning they have when the
 * ``all_gather`` into a list of tensors of different sizes (NCCL gathers uneven shards: megatron-core's
   uneven DTensor gather, MoE's gathers by split sizes) pads every shard to the largest for gloo, which wants
   them equal, and copies each into its tensor (an async call's copies happen in its ``wait()``);
+* ``all_reduce`` / ``reduce_scatter_tensor`` with NCCL's ``PREMUL_SUM`` (Megatron-FSDP's fused gradient scaling,
+  ``_make_nccl_premul_sum(factor)``), which gloo refuses, scale the input by the factor and sum: in place for
+  ``all_reduce``, whose input is its output, and on a scaled copy for ``reduce_scatter_tensor``, whose input NCCL
+  leaves as it was;
 * a ``DeviceMesh`` of device type ``"cuda"`` is a CPU mesh (its groups are gloo's), so torch's FSDP2 keeps
   its shards on the CPU.
 """
@@ -330,14 +334,38 @@ def wrap_all_gather_into_tensor(original):
     return all_gather_into_tensor
 
 
+def _premul_factor(op):
+    """The factor of a ``PREMUL_SUM`` reduction (a float or a one-element tensor), or None for other ops."""
+    if getattr(op, "op", None) == torch.distributed.ReduceOp.PREMUL_SUM:
+        return op.factor
+    return None
+
+
 def wrap_reduce_scatter_tensor(original):
-    """``reduce_scatter_tensor`` from any shape of the scattered elements, as on NCCL."""
+    """``reduce_scatter_tensor`` from any shape of the scattered elements, and with ``PREMUL_SUM``, as on NCCL."""
 
     @functools.wraps(original)
     def reduce_scatter_tensor(output, input, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        factor = _premul_factor(op)
+        if factor is not None:
+            input, op = input * factor, torch.distributed.ReduceOp.SUM
         return original(output, _stacked_like(input, output, group), op, group, async_op)
 
     return reduce_scatter_tensor
+
+
+def wrap_all_reduce(original):
+    """``all_reduce`` with ``PREMUL_SUM``, as on NCCL: the tensor scaled in place, then summed."""
+
+    @functools.wraps(original)
+    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        factor = _premul_factor(op)
+        if factor is not None:
+            tensor.mul_(factor)
+            op = torch.distributed.ReduceOp.SUM
+        return original(tensor, op, group, async_op)
+
+    return all_reduce
 
 
 class _PlacedOnWait:
@@ -413,7 +441,10 @@ def patches():
              name="cpu runtime: wrap all_gather, shards of different sizes as NCCL gathers them"),
         wrap("torch.distributed.distributed_c10d:reduce_scatter_tensor", wrap_reduce_scatter_tensor,
              expect="(output, input, op=<RedOpType.SUM: 0>, group=None, async_op=False)",
-             name="cpu runtime: wrap reduce_scatter_tensor, any shape of the scattered elements"),
+             name="cpu runtime: wrap reduce_scatter_tensor, any shape of the scattered elements, PREMUL_SUM"),
+        wrap("torch.distributed.distributed_c10d:all_reduce", wrap_all_reduce,
+             expect="(tensor, op=<RedOpType.SUM: 0>, group=None, async_op=False)",
+             name="cpu runtime: wrap all_reduce, PREMUL_SUM as a scale and a sum"),
         replace("torch.cuda:current_stream", current_stream, expect=EXISTS, name="cpu runtime: current_stream"),
         replace("torch.cuda:default_stream", default_stream, expect=EXISTS, name="cpu runtime: default_stream"),
         replace("torch.cuda:stream", stream, expect=EXISTS, name="cpu runtime: stream"),

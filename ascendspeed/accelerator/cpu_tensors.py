@@ -1,6 +1,7 @@
-"""Tensor-level CUDA spellings given CPU meanings: ``device="cuda"`` literals, ``.cuda()``, type names.
+"""Tensor-level CUDA spellings given CPU meanings: ``device="cuda"`` literals, ``.cuda()``, ``.to("cuda")``,
+type names, CUDA device objects.
 
-Megatron spells "the device" three ways besides ``torch.cuda.current_device()``:
+Megatron spells "the device" five ways besides ``torch.cuda.current_device()``:
 
 * ``torch.zeros(..., device="cuda")`` and friends (optimizer, grad scaler, clip_grads, schedules,
   ``local_multi_tensor_l2_norm``, Megatron-LM's jit warm-up). Only the tensor *factories* are wrapped,
@@ -15,13 +16,22 @@ Megatron spells "the device" three ways besides ``torch.cuda.current_device()``:
 * ``param.type() == 'torch.cuda.FloatTensor'`` (optimizer, distributed optimizer, clip_grads) selects fp32
   vs fp16 handling. A CPU tensor's ``type()`` keeps its true name (``'torch.FloatTensor'``) but returns it
   as a ``str`` that also compares equal to the ``torch.cuda.`` spelling, so those checks take the branch
-  they take on a GPU, while printing and hashing stay those of the plain name.
+  they take on a GPU, while printing and hashing stay those of the plain name;
+* ``tensor.to("cuda")`` / ``.to(torch.device("cuda", i))`` (Megatron-FSDP's test data, ``Module.to`` of a
+  CUDA device, which moves each tensor with ``Tensor.to``): the tensor on the CPU, as for ``.cuda()``;
+* ``torch.device(f"cuda:{torch.cuda.current_device()}")`` (Megatron-FSDP's ``MegatronFSDP`` and megatron-core's
+  ``FullyShardedDataParallel`` name their device so, and compare it with the one they were given): with the
+  current device the CPU, the string is ``"cuda:cpu"``, which torch refuses. ``torch.device`` itself cannot
+  change (a C type: pickling, TorchScript and ``torch.library`` look it up by identity), so only those modules
+  see a ``torch`` whose ``device`` makes CUDA spellings the CPU (``TorchWithCpuDevices``); every other name
+  in them is torch's own.
 
 Only the CUDA spellings change: ``device="cpu"``, ``"meta"`` and every other device are left untouched.
 """
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -59,6 +69,54 @@ def _redirect_device_keyword(factory):
         register_builtin(on_cpu, "aten::" + factory.__name__)
     _REDIRECTED[factory] = on_cpu
     return on_cpu
+
+
+def _wrap_tensor_to(original):
+    """``Tensor.to`` with a CUDA device, positional or keyword, moving to the CPU; everything else untouched."""
+
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and is_cuda_spelling(args[0]):
+            args = (CPU,) + args[1:]
+        elif "device" in kwargs and is_cuda_spelling(kwargs["device"]):
+            kwargs["device"] = CPU
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+class _DeviceNamingCpuForCuda(type):
+    """The metaclass of ``TorchWithCpuDevices.device``: calls make CUDA spellings the CPU, and ``isinstance``
+    answers for ``torch.device``."""
+
+    def __call__(cls, *args, **kwargs):
+        spelling = args[0] if args else kwargs.get("type")
+        if isinstance(spelling, str) and spelling.split(":")[0] == "cuda":
+            return CPU
+        return torch.device(*args, **kwargs)
+
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, torch.device)
+
+
+class _CpuForCudaDevice(metaclass=_DeviceNamingCpuForCuda):
+    """``torch.device`` where ``"cuda"``, ``"cuda:<anything>"`` and ``("cuda", index)`` name the CPU."""
+
+
+class TorchWithCpuDevices(types.ModuleType):
+    """``torch`` for a module that names CUDA devices from ``torch.cuda.current_device()``: ``device`` is
+    ``_CpuForCudaDevice``, every other attribute torch's."""
+
+    device = _CpuForCudaDevice
+
+    def __init__(self):
+        super().__init__("torch", torch.__doc__)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+TORCH_WITH_CPU_DEVICES = TorchWithCpuDevices()
 
 
 def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -123,4 +181,11 @@ def patches():
         replace("torch.nn:Module.cuda", module_cuda, expect="(self, device=None)",
                 name="cpu device literal: Module.cuda() keeps the module"),
         wrap("torch:Tensor.type", _wrap_tensor_type, expect=EXISTS, name="cpu type names: Tensor.type()"),
+        wrap("torch:Tensor.to", _wrap_tensor_to, expect=EXISTS, name="cpu device literal: Tensor.to('cuda')"),
+        # Only these modules' ``torch`` changes (``sweep=False``): every other module keeps torch itself.
+        replace("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp:torch", TORCH_WITH_CPU_DEVICES,
+                expect=EXISTS, sweep=False,
+                name="cpu device objects: megatron_fsdp's torch.device('cuda:...') is the CPU"),
+        replace("megatron.core.distributed.fsdp.mcore_fsdp_adapter:torch", TORCH_WITH_CPU_DEVICES, expect=EXISTS,
+                sweep=False, name="cpu device objects: mcore_fsdp_adapter's torch.device('cuda:...') is the CPU"),
     ]

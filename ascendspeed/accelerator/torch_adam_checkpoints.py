@@ -53,6 +53,14 @@ resume:
   'step'``. Their ``load_state_dict`` now first gives each loaded parameter state without a step its
   group's step from the checkpoint (0 where the group has none), where no ``common_step`` does.
 
+* Megatron-FSDP leaves the gradient of a parameter ``None`` on a rank whose shard of it is empty, so torch's Adam,
+  which makes a parameter's state at its first update, never makes one there; TE's fused Adam keeps a state for
+  every parameter. ``sharded_param_state_fsdp_dtensor`` (``--ckpt-format fsdp_dtensor``) hands each rank's states
+  to Megatron-LM's checkpoint code, which runs collectives per state (splitting SwiGLU's ``linear_fc1`` into
+  DTensors that check their shards against the other ranks'): ranks with different states waited in those
+  collectives for good. For that call each parameter without a state gets the one torch's Adam would make (zeros
+  of its shape, the others' step).
+
 The patches act only when the installed megatron-core took the fallback (``HAVE_APEX_OR_TE`` is False),
 read when they are called (checkpoint code, never per training step), or, for ``init_state_fn``, when the
 wrapped optimizer is torch's own Adam; with apex or TE Megatron's code runs unchanged. They are applied on every device (feature ``accelerator.torch_adam``).
@@ -121,6 +129,42 @@ def _every_parameter_has_a_step(optimizer):
             del state[param]["step"]
         for param in created:
             del state[param]
+
+
+@contextlib.contextmanager
+def _every_parameter_has_a_state(optimizer):
+    """Parameters without a state get, until the block ends, the one torch's Adam makes at a first update: zero
+    moments of the parameter's shape and the others' step (0 when none has one)."""
+    steps = _parameter_steps(optimizer)
+    step = steps.pop() if len(steps) == 1 else 0.0
+    created = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if optimizer.state.get(param):
+                continue
+            moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+            state = {"step": _step_like_torch(group, param, step)}
+            state.update({name: torch.zeros_like(param, memory_format=torch.preserve_format) for name in moments})
+            optimizer.state[param] = state
+            created.append(param)
+    try:
+        yield
+    finally:
+        for param in created:
+            optimizer.state.pop(param, None)
+
+
+def wrap_sharded_param_state_fsdp_dtensor(original):
+    """``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` with a state for every parameter on every rank."""
+
+    @functools.wraps(original)
+    def sharded_param_state_fsdp_dtensor(self, *args, **kwargs):
+        if not uses_torch_adam() or type(self.optimizer) not in ADAM_CLASSES:
+            return original(self, *args, **kwargs)
+        with _every_parameter_has_a_state(self.optimizer):
+            return original(self, *args, **kwargs)
+
+    return sharded_param_state_fsdp_dtensor
 
 
 def wrap_state_dict(original):
@@ -296,6 +340,9 @@ def patches():
         wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", wrap_state_dict,
              expect="(self)",
              name="torch adam checkpoints: wrap state_dict, parameters without a step yet count the others' step"),
+        wrap("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_param_state_fsdp_dtensor",
+             wrap_sharded_param_state_fsdp_dtensor, expect="(self, is_loading=False)",
+             name="torch adam checkpoints: wrap sharded_param_state_fsdp_dtensor, a state for every parameter"),
         wrap("megatron.core.optimizer.optimizer:ChainedOptimizer._synchronize_steps", wrap_synchronize_steps,
              expect="(self)",
              name="torch adam checkpoints: wrap _synchronize_steps, optimizers without parameters take the chain's step"),

@@ -35,6 +35,46 @@ def test_other_devices_are_left_alone():
     assert torch.zeros(2).device.type == "cpu"
 
 
+@pytest.mark.parametrize("spelling", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 1), 0])
+def test_to_a_cuda_spelling_moves_to_the_cpu(spelling):
+    """``Tensor.to`` as Megatron-FSDP's test data and ``Module.to`` (one ``Tensor.to`` per tensor) reach it."""
+    tensor = torch.arange(3, dtype=torch.float32)
+    assert tensor.to(spelling) is tensor  # already on the device, as a device tensor's .to(its device) is
+    moved = tensor.to(spelling, torch.float64, non_blocking=True)
+    assert moved.device.type == "cpu" and moved.dtype == torch.float64 and torch.equal(moved, tensor.double())
+    assert tensor.to(device=spelling, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert tensor.to(spelling, copy=True) is not tensor
+    if not isinstance(spelling, int):  # a CPU-only torch cannot parse an index for Module.to
+        assert torch.nn.Linear(2, 2).to(spelling).weight.device.type == "cpu"
+
+
+def test_to_other_devices_and_dtypes_is_torchs():
+    tensor = torch.ones(2)
+    assert tensor.to(torch.float16).dtype == torch.float16
+    assert tensor.to("meta").device.type == "meta"
+    assert tensor.to(torch.empty(1, dtype=torch.int32)).dtype == torch.int32
+    assert tensor.to(device="cpu", dtype=torch.float64).dtype == torch.float64
+
+
+def test_modules_naming_cuda_devices_get_the_cpu_from_torch_device():
+    """``torch.device(f"cuda:{torch.cuda.current_device()}")`` is ``"cuda:cpu"`` here, which torch refuses; the
+    modules that spell their device so see a ``torch`` whose ``device`` makes CUDA spellings the CPU."""
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    with pytest.raises(RuntimeError, match="cuda:cpu"):
+        torch.device(f"cuda:{torch.cuda.current_device()}")
+    for module in (megatron_fsdp, mcore_fsdp_adapter):
+        seen = module.torch
+        assert seen is not torch and seen.device is not torch.device and seen.Tensor is torch.Tensor
+        cpu = torch.device("cpu")
+        assert seen.device(f"cuda:{torch.cuda.current_device()}") == cpu
+        assert seen.device("cuda", 3) == cpu and seen.device(type="cuda") == cpu
+        assert seen.device("meta") == torch.device("meta") and seen.device("cpu", 0) == torch.device("cpu", 0)
+        assert isinstance(cpu, seen.device) and not isinstance("cpu", seen.device)
+        assert type(seen.device("cuda")) is torch.device
+
+
 def test_dot_cuda_copies_as_it_copies_a_host_tensor_to_the_device():
     tensor = torch.ones(3)
     copy = tensor.cuda(0, non_blocking=True)
@@ -152,14 +192,33 @@ def _collectives_into_other_shapes(rank, world_size):
     return gathered, scattered, gather_split_1d_tensor(shard, dist.group.WORLD), uneven, empty_shard
 
 
+def _premul_sums(rank, world_size):
+    """NCCL's PREMUL_SUM (Megatron-FSDP's fused gradient scaling), a float and a tensor factor, fp32 and bf16, on
+    fresh random inputs; returns the inputs, what was reduced, and the inputs after."""
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(rank)
+    results = []
+    for dtype, factor in ((torch.float32, 0.125), (torch.bfloat16, torch.tensor([0.375], dtype=torch.bfloat16))):
+        scatter_input = torch.randn(world_size * 6, generator=generator).to(dtype)
+        kept = scatter_input.clone()
+        scattered = torch.empty(6, dtype=dtype)
+        dist.reduce_scatter_tensor(scattered, scatter_input, op=dist._make_nccl_premul_sum(factor))
+        reduced = torch.randn(5, generator=generator).to(dtype)
+        summands = reduced.clone()
+        dist.all_reduce(reduced, op=dist._make_nccl_premul_sum(factor), async_op=True).wait()
+        results.append((kept, scatter_input, scattered, summands, reduced, float(factor)))
+    return results
+
+
 @pytest.fixture(scope="module")
 def nccl_world_job(tmp_path_factory):
     """One 2-rank job: the world asked for NCCL, then NCCL's collective shapes on it."""
     from tests.helpers.distributed import call, run_distributed_cases
 
     store = tmp_path_factory.mktemp("nccl_world") / "store"
-    return run_distributed_cases(call, 2, [(_world_asked_for_nccl, str(store)), (_collectives_into_other_shapes,)],
-                                 timeout=120)
+    return run_distributed_cases(call, 2, [(_world_asked_for_nccl, str(store)), (_collectives_into_other_shapes,),
+                                           (_premul_sums,)], timeout=120)
 
 
 def test_groups_asked_for_nccl_connect_on_first_use_as_nccl_does(nccl_world_job):
@@ -181,6 +240,22 @@ def test_collectives_take_the_tensors_nccl_takes(nccl_world_job):
         for peer, (rows, values) in enumerate(zip(uneven, empty_shard)):
             assert torch.equal(rows, torch.arange(4.0 + 6 * peer).view(-1, 2) + 100 * peer)
             assert torch.equal(values, torch.arange(3.0 * peer, dtype=torch.bfloat16))
+
+
+def test_premul_sum_scales_and_sums_as_nccl_does(nccl_world_job):
+    """Each rank's inputs times the factor, summed (a float64 reference; each product rounded to the dtype, as
+    NCCL's premul rounds it); reduce_scatter_tensor leaves its input as it was."""
+    per_rank = nccl_world_job[2]
+    for case in range(2):
+        inputs = [per_rank[rank][case] for rank in range(2)]
+        for rank, (kept, scatter_input, scattered, _, reduced, factor) in enumerate(inputs):
+            dtype = scattered.dtype
+            scaled = [(other[0].double() * factor).to(dtype).double() for other in inputs]
+            expected = (scaled[0] + scaled[1])[6 * rank:6 * rank + 6].to(dtype)
+            torch.testing.assert_close(scattered, expected, rtol=0, atol=0)
+            assert torch.equal(scatter_input, kept)
+            summed = sum((other[3].double() * factor).to(dtype).double() for other in inputs).to(dtype)
+            torch.testing.assert_close(reduced, summed, rtol=0, atol=0)
 
 
 def _pairs_made_by_their_members_only(rank, world_size, store):

@@ -680,3 +680,50 @@ def test_te_attention_refuses_context_parallel_modes_it_cannot_serve(megatron_wo
         _te_context_parallel_settings(config, AttnMaskType.causal, "a2a+p2p")
     config.hierarchical_context_parallel_sizes = [2, 2]
     assert _te_context_parallel_settings(config, AttnMaskType.causal, "a2a+p2p").ulysses_degree == 2
+
+
+#: DeepSeek-V3's router (sigmoid scores, group-limited top-k, expert bias, scaling) and Mixtral's (softmax after
+#: top-k), each with its auxiliary loss.
+ROUTERS = {
+    "sigmoid-group-limited": dict(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                  moe_router_group_topk=2, moe_router_enable_expert_bias=True,
+                                  moe_router_topk_scaling_factor=2.5, moe_router_load_balancing_type="seq_aux_loss",
+                                  moe_aux_loss_coeff=1e-2),
+    "softmax-aux-loss": dict(moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=1e-2),
+}
+
+
+def _routed(router_settings, fusion, inputs, cotangent):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    torch.manual_seed(7)
+    config = _config(num_moe_experts=8, moe_router_topk=2, add_bias_linear=False, moe_router_fusion=fusion,
+                     **router_settings)
+    router = TopKRouter(config=config, pg_collection=get_default_pg_collection()).double()
+    if getattr(router, "expert_bias", None) is not None:
+        router.expert_bias.copy_(torch.linspace(-0.1, 0.1, 8, dtype=router.expert_bias.dtype))
+    hidden = inputs.clone().requires_grad_(True)
+    probs, routing_map = router(hidden)
+    (probs.double() * cotangent).sum().backward()
+    return probs.detach(), routing_map, hidden.grad, router.weight.grad
+
+
+@pytest.mark.parametrize("router_settings", ROUTERS.values(), ids=ROUTERS.keys())
+def test_router_fusion_routes_as_megatrons_unfused_router(megatron_world, router_settings):
+    """``moe_router_fusion=True`` raised "fused_topk_with_score_function is not available. Please install TE >=
+    2.6.0" at the first forward; it now routes as megatron-core's unfused router: the same probabilities,
+    routing map, and gradients of the input and the gate (auxiliary losses included)."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = torch.randn(6, 2, 32, dtype=torch.float64, generator=generator)
+    cotangent = torch.randn(12, 8, dtype=torch.float64, generator=generator)
+    enable_features(num_experts=8)  # feature moe: the router's gating runs without TE on megatron-core 0.15 / 0.16
+    try:
+        fused = _routed(router_settings, True, inputs, cotangent)
+        unfused = _routed(router_settings, False, inputs, cotangent)
+    finally:
+        disable_features(["moe"])
+    assert fused[1].sum() == 12 * 2
+    for found, expected in zip(fused, unfused):
+        torch.testing.assert_close(found, expected, rtol=0, atol=0)

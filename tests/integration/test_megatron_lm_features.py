@@ -195,6 +195,21 @@ def test_torch_fsdp2_gives_the_ddp_losses_with_fused_swiglu(launcher):
     assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls  # layers x micro-batches x iterations
 
 
+def test_megatron_fsdp_gives_the_distributed_optimizer_losses_with_fused_swiglu(launcher):
+    """--use-megatron-fsdp, fully sharded (optim_grads_params), which names its device
+    ``torch.device(f"cuda:{torch.cuda.current_device()}")`` and scales gradients with NCCL's PREMUL_SUM: 2 ranks
+    shard parameters, gradients and optimizer states, run the fused SwiGLU, and train with the losses of
+    Megatron's distributed optimizer on the same flags."""
+    flags = ["--global-batch-size", "8", "--untie-embeddings-and-output-weights", "--swiglu", "--use-fused-swiglu",
+             "--use-distributed-optimizer"]
+    reference = _losses(launcher, 2, flags)
+    fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--ckpt-format", "fsdp_dtensor"]
+    losses, calls = _train(launcher, 2, [*flags, *fsdp], "fused_swiglu", [SWIGLU_OP])
+    assert losses == pytest.approx(reference, rel=1e-5)
+    assert all(n == 2 * 2 * ITERATIONS for n in calls.values()), calls
+
+
 @pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["float16-optimizer", "distopt"])
 def test_reuse_fp32_param_two_processes_bit_identical(launcher, optimizer):
     """bf16 with and without --reuse-fp32-param: the same losses, to the last bit Megatron-LM prints."""
@@ -702,9 +717,9 @@ def test_moe_grouped_gemm_without_biases_has_no_bias_activation_fusion_to_refuse
 @pytest.mark.parametrize("flags, message", [
     ([*MOE, "--moe-token-dispatcher-type", "flex"],
      "cannot run --moe-token-dispatcher-type flex: the flex dispatcher's backends, DeepEP and HybridEP, are CUDA-only"),
-    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
-     "cannot run --use-megatron-fsdp: Megatron-FSDP names its devices 'cuda:<index>' and keeps CUDA RNG generators "
-     "and memory statistics. Fix: use --use-torch-fsdp2"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor", "--use-nccl-ub"],
+     "cannot run --use-nccl-ub: it registers NCCL user buffers (NCCL's memory pool), and the CPU's collectives are "
+     "gloo's. Fix: leave --use-nccl-ub out"),
 ])
 def test_flags_the_cpu_cannot_run_fail_in_validate_args(megatron_lm_arguments, monkeypatch, flags, message):
     """Refused before Megatron-LM's own validation, naming the flag and the alternative."""

@@ -75,6 +75,9 @@ FAMILIES = {
     "pp2-ep2-moe-dense-first": ["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2",
                                 "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
                                 "--moe-layer-freq", "[0,1]"],
+    # Megatron-FSDP, fully sharded, in its own format (its sharded optimizer state checkpointed per parameter)
+    "bf16-megatron-fsdp": ["--use-distributed-optimizer", "--bf16", "--use-megatron-fsdp",
+                           "--data-parallel-sharding-strategy", "optim_grads_params", "--ckpt-format", "fsdp_dtensor"],
     "dp2-no-dropout": NO_DROPOUT,
     "tp2-no-dropout": [*NO_DROPOUT, "--tensor-model-parallel-size", "2"],
     "pp2-no-dropout": [*NO_DROPOUT, "--pipeline-model-parallel-size", "2"],
@@ -203,6 +206,17 @@ def test_model_parallel_layouts_resume_in_megatron_lm_s_default_format(launcher,
     saves its own layers), CP 2, EP 2 (MoE), and fp16 with virtual pipeline stages and ``--overlap-grad-reduce``,
     with the distributed optimizer, in ``torch_dist``."""
     _check(launcher, tmp_path, layout, ["--ckpt-format", "torch_dist"], 1e-6)
+
+
+@pytest.mark.skipif(release(installed_megatron_core() or "0") < release("0.19"),
+                    reason="megatron-core 0.15's fsdp_dtensor save asserts that the optimizer's main parameters are "
+                           "model parameters (DistributedOptimizer._param_name), on any device")
+def test_megatron_fsdp_resumes_in_fsdp_dtensor(launcher, tmp_path):
+    """Megatron-FSDP leaves a parameter's gradient None on a rank whose shard of it is empty, so torch's Adam made
+    no state there; the save, which runs collectives per state, waited for good on the other rank (feature
+    ``accelerator.torch_adam`` gives each parameter its state for the save). bf16: Megatron-LM's fp32 save of
+    SwiGLU's fc1 looks its parameter up one ``module.`` too deep (on any device)."""
+    _check(launcher, tmp_path, "bf16-megatron-fsdp", [], 0)
 
 
 def test_an_expert_optimizer_without_parameters_resumes_at_its_chain_s_step(launcher, tmp_path):

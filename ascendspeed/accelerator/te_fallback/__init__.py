@@ -24,7 +24,8 @@ megatron-core would take TE's fused kernels. ``thd.py`` splits a packed batch ov
 where megatron-core asks TE's extension. ``recompute.py`` keeps megatron-core's ``CheckpointWithoutOutput``
 (selective recompute of norms, MoE activations, MLA up projections) off Transformer Engine's fp8 state, which it
 asked for even with fp8 off. ``optimizer.py`` lets megatron-core's torch optimizers be made from a config without a
-learning rate, as TE's ``FusedAdam`` is.
+learning rate, as TE's ``FusedAdam`` is. ``router.py`` runs megatron-core's MoE router fusion
+(``moe_router_fusion``) on its unfused branch, which computes what TE's fused router kernels compute.
 
 What TE alone provides (fp8/fp4, userbuffers ``--tp-comm-overlap``, CUDA graphs, TE's op fuser and activation
 ops, the legacy grouped_gemm experts, delayed weight gradients) is refused in ``validate_args`` (``check_arguments``).
@@ -49,9 +50,10 @@ def serves_local_modules(args) -> bool:
 
 
 def patches():
-    from ascendspeed.accelerator.te_fallback import optimizer, recompute, rope, standins, thd
+    from ascendspeed.accelerator.te_fallback import optimizer, recompute, rope, router, standins, thd
 
-    return standins.patches() + recompute.patches() + rope.patches() + thd.patches() + optimizer.patches()
+    return (standins.patches() + recompute.patches() + rope.patches() + thd.patches() + optimizer.patches()
+            + router.patches())
 
 
 def check_arguments(args) -> None:
