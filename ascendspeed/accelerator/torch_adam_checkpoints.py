@@ -59,7 +59,9 @@ resume:
   to Megatron-LM's checkpoint code, which runs collectives per state (splitting SwiGLU's ``linear_fc1`` into
   DTensors that check their shards against the other ranks'): ranks with different states waited in those
   collectives for good. For that call each parameter without a state gets the one torch's Adam would make (zeros
-  of its shape, the others' step).
+  of its shape, the others' step), and a state seeded with moments alone, as for TE's fused Adam (Megatron's
+  GPT-to-hybrid checkpoint test seeds them so), gets the others' step: torch's Adam failed on it with
+  ``KeyError: 'step'`` in the dummy step of the load.
 
 The patches act only when the installed megatron-core took the fallback (``HAVE_APEX_OR_TE`` is False),
 read when they are called (checkpoint code, never per training step), or, for ``init_state_fn``, when the
@@ -134,13 +136,16 @@ def _every_parameter_has_a_step(optimizer):
 @contextlib.contextmanager
 def _every_parameter_has_a_state(optimizer):
     """Parameters without a state get, until the block ends, the one torch's Adam makes at a first update: zero
-    moments of the parameter's shape and the others' step (0 when none has one)."""
+    moments of the parameter's shape and the others' step (0 when none has one). A state with moments but no
+    step (seeded as for TE's fused Adam, which keeps its step in the parameter group) gets that step for good:
+    torch's Adam cannot update or save it without one."""
     steps = _parameter_steps(optimizer)
     step = steps.pop() if len(steps) == 1 else 0.0
     created = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             if optimizer.state.get(param):
+                optimizer.state[param].setdefault("step", _step_like_torch(group, param, step))
                 continue
             moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
             state = {"step": _step_like_torch(group, param, step)}
