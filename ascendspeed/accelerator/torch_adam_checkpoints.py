@@ -98,6 +98,12 @@ def _parameter_steps(optimizer) -> set[float]:
     return {float(s["step"]) for s in optimizer.state.values() if "step" in s}
 
 
+def _the_others_step(optimizer) -> float:
+    """The step the parameter states agree on, 0 when none has one (or they disagree)."""
+    steps = _parameter_steps(optimizer)
+    return steps.pop() if len(steps) == 1 else 0.0
+
+
 @contextlib.contextmanager
 def _every_parameter_has_a_step(optimizer):
     """Parameters without a ``step`` in their state get the step the others have (0 when none has one)
@@ -139,8 +145,7 @@ def _every_parameter_has_a_state(optimizer):
     moments of the parameter's shape and the others' step (0 when none has one). A state with moments but no
     step (seeded as for TE's fused Adam, which keeps its step in the parameter group) gets that step for good:
     torch's Adam cannot update or save it without one."""
-    steps = _parameter_steps(optimizer)
-    step = steps.pop() if len(steps) == 1 else 0.0
+    step = _the_others_step(optimizer)
     created = []
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -285,8 +290,7 @@ def with_steps_for_torch_adam(init_state_fn):
         empty = [(group, param) for group in optimizer.param_groups for param in group["params"]
                  if not optimizer.state.get(param)]
         result = init_state_fn(optimizer, *args, **kwargs)
-        steps = _parameter_steps(optimizer)
-        step = steps.pop() if len(steps) == 1 else 0.0
+        step = _the_others_step(optimizer)
         for group, param in empty:
             state = optimizer.state.get(param)
             if state and "step" not in state:
