@@ -78,6 +78,18 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def finish_results(results: dict, output: str | None) -> dict:
+    """Stamp the load average at the end of the run on ``results["machine"]`` and write the results as JSON to
+    ``output`` (when given)."""
+    import json
+
+    results["machine"]["load_average_1min_end"] = load_average()
+    if output:
+        with open(output, "w") as handle:
+            json.dump(results, handle, indent=1)
+    return results
+
+
 def machine(torch=None) -> dict:
     """The machine as the results JSON records it; with ``torch``, also its version, CPU capability and
     thread count (scripts that only launch jobs do not import torch)."""

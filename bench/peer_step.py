@@ -26,7 +26,6 @@ included) and the rest (data, zeroing, the loss all-reduce, Python between phase
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import machine, run_on_gloo_ranks  # noqa: E402
+from harness import finish_results, machine, run_on_gloo_ranks  # noqa: E402
 
 SIZES = {
     "small": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
@@ -304,11 +303,7 @@ def main(argv=None):
                     phases = result["phases_ms"][name]
                     print(f"      {name:5s} ms/step: " + "  ".join(f"{phase} {phases[phase]:7.2f}"
                                                                  for phase in (*PHASES, "step")), flush=True)
-    results["machine"]["load_average_1min_end"] = os.getloadavg()[0]
-    if options.output:
-        with open(options.output, "w") as output:
-            json.dump(results, output, indent=1)
-    return results
+    return finish_results(results, options.output)
 
 
 if __name__ == "__main__":

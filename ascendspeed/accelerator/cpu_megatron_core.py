@@ -24,7 +24,10 @@
   gloo group starts its threads when it is made: a process that sets the parallel state up again and
   again (Megatron's unit tests, ascendspeed's) kept every earlier state's groups alive, ~700 threads per
   rank after a dozen set-ups, all of them waking up. The groups made during ``initialize_model_parallel``
-  are destroyed with the state.
+  are destroyed with the state, except those a live ``DeviceMesh`` names (Megatron-FSDP's): DTensors of
+  one state can carry that mesh into the next, which resolves its groups by name (Megatron's GPT-to-hybrid
+  checkpoint tests save and load Megatron-FSDP models of several layouts in one process); on NCCL no group is
+  destroyed.
 * ``models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank`` (RoPE under context parallelism) builds
   its chunk indices in pinned host memory and copies them to CUDA, which a CPU-only torch refuses ("Found no
   NVIDIA driver"). It takes this rank's two chunks of the balanced layout on the embedding's own device.
@@ -49,6 +52,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ascendspeed.accelerator import cpu_runtime
 from ascendspeed.accelerator.triton_guard import triton_on_cuda_only
 from ascendspeed.patching import EXISTS, replace, wrap
 
@@ -245,8 +249,9 @@ def process_group_patches():
                 return original(*args, **kwargs)
             finally:
                 live = set(_live_process_groups())  # Megatron destroyed its *_GLOO groups itself
+                meshed = cpu_runtime.groups_named_by_device_meshes()
                 for group in reversed(made_by_initialize):
-                    if group in live:
+                    if group in live and group.group_name not in meshed:
                         dist.destroy_process_group(group)
                 made_by_initialize.clear()
 

@@ -36,6 +36,8 @@ each call site, these shims give the entry points the meaning they have when the
   ``_make_nccl_premul_sum(factor)``), which gloo refuses, scale the input by the factor and sum: in place for
   ``all_reduce``, whose input is its output, and on a scaled copy for ``reduce_scatter_tensor``, whose input NCCL
   leaves as it was;
+* ``all_reduce`` in a group whose ranks all run on this host goes through shared memory instead of gloo's sockets
+  (``cpu_shared_memory``: 2-5x faster; an asynchronous call completes when issued);
 * a ``DeviceMesh`` of device type ``"cuda"`` is a CPU mesh (its groups are gloo's), so torch's FSDP2 keeps
   its shards on the CPU.
 """
@@ -47,9 +49,11 @@ import hashlib
 import logging
 import os
 import time
+import weakref
 
 import torch
 
+from ascendspeed.accelerator import cpu_shared_memory
 from ascendspeed.patching import EXISTS, replace, wrap
 
 logger = logging.getLogger("ascendspeed")
@@ -204,14 +208,33 @@ def wrap_process_group_name(original):
     return _process_group_name
 
 
+_device_meshes: "weakref.WeakSet" = weakref.WeakSet()
+_meshed_group_names: set = set()
+
+
+def groups_named_by_device_meshes() -> set:
+    """Names of the process groups of the ``DeviceMesh``es made so far. DTensors made under one model-parallel state
+    can carry their mesh into the next (seen with Megatron-FSDP models; torch's sharding propagation caches specs
+    by a mesh equality that ignores the groups), and a mesh resolves its groups by name: such groups stay alive,
+    as NCCL's groups do (``cpu_megatron_core`` destroys the others with their state). torch names a mesh's
+    groups after ``__init__`` (``DeviceMesh.from_group``, sub-meshes), so the names are collected from the
+    meshes still alive whenever a mesh is made and whenever this is asked."""
+    for mesh in list(_device_meshes):
+        _meshed_group_names.update(getattr(mesh, "_dim_group_names", None) or ())
+    return _meshed_group_names
+
+
 def wrap_device_mesh_init(original):
     """``DeviceMesh("cuda", ...)`` as a CPU mesh: its groups are gloo's (NCCL's were refused above), and torch's
     FSDP2 places shards on ``torch.device(mesh.device_type, torch.cuda.current_device())`` unless the mesh is
-    a CPU mesh (megatron-core builds its FSDP2 mesh with ``DeviceMesh.from_group(group, "cuda")``)."""
+    a CPU mesh (megatron-core builds its FSDP2 mesh with ``DeviceMesh.from_group(group, "cuda")``). The mesh is
+    remembered, weakly (``groups_named_by_device_meshes``)."""
 
     @functools.wraps(original)
     def __init__(self, device_type, *args, **kwargs):
+        groups_named_by_device_meshes()
         original(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+        _device_meshes.add(self)
 
     return __init__
 
@@ -355,7 +378,8 @@ def wrap_reduce_scatter_tensor(original):
 
 
 def wrap_all_reduce(original):
-    """``all_reduce`` with ``PREMUL_SUM``, as on NCCL: the tensor scaled in place, then summed."""
+    """``all_reduce`` with ``PREMUL_SUM``, as on NCCL: the tensor scaled in place, then summed; synchronous calls
+    among ranks of one host in shared memory (``cpu_shared_memory``)."""
 
     @functools.wraps(original)
     def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
@@ -363,6 +387,8 @@ def wrap_all_reduce(original):
         if factor is not None:
             tensor.mul_(factor)
             op = torch.distributed.ReduceOp.SUM
+        if cpu_shared_memory.all_reduce(tensor, op, group):
+            return cpu_shared_memory.completed_work(tensor) if async_op else None
         return original(tensor, op, group, async_op)
 
     return all_reduce
@@ -432,7 +458,7 @@ def patches():
              expect="(ranks, use_hashed_name)",
              name="cpu runtime: wrap _process_group_name, gloo groups serving nccl named by their members too"),
         wrap("torch.distributed.device_mesh:DeviceMesh.__init__", wrap_device_mesh_init, expect=EXISTS,
-             name="cpu runtime: wrap DeviceMesh.__init__, a CUDA mesh is the CPU's"),
+             name="cpu runtime: wrap DeviceMesh.__init__, a CUDA mesh is the CPU's, its groups recorded"),
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
              expect="(output_tensor, input_tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),
@@ -444,7 +470,7 @@ def patches():
              name="cpu runtime: wrap reduce_scatter_tensor, any shape of the scattered elements, PREMUL_SUM"),
         wrap("torch.distributed.distributed_c10d:all_reduce", wrap_all_reduce,
              expect="(tensor, op=<RedOpType.SUM: 0>, group=None, async_op=False)",
-             name="cpu runtime: wrap all_reduce, PREMUL_SUM as a scale and a sum"),
+             name="cpu runtime: wrap all_reduce, PREMUL_SUM as a scale and a sum, one host's ranks in shared memory"),
         replace("torch.cuda:current_stream", current_stream, expect=EXISTS, name="cpu runtime: current_stream"),
         replace("torch.cuda:default_stream", default_stream, expect=EXISTS, name="cpu runtime: default_stream"),
         replace("torch.cuda:stream", stream, expect=EXISTS, name="cpu runtime: stream"),

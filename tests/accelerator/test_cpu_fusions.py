@@ -74,3 +74,46 @@ def test_the_derivative_is_the_tanh_form_s():
     megatron = 0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t)
     torch.testing.assert_close(bias_gelu_back_sigmoid_form(torch.ones_like(x), zero, x), megatron, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(bias_gelu_sigmoid_form(zero, x), megatron_tanh_form(zero, x), rtol=1e-12, atol=1e-12)
+
+
+CROSS_ENTROPY_TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-6, torch.float16: 2e-6}  # all in fp32
+
+
+@pytest.mark.parametrize("dtype", list(CROSS_ENTROPY_TOLERANCE), ids=str)
+@pytest.mark.parametrize("shape", [(7, 3, 48), (16, 2, 256), (1, 1, 5)])
+def test_cross_entropy_of_one_tensor_parallel_rank_matches_float64_forward_and_backward(dtype, shape):
+    """Megatron's loss entry on one tensor-parallel rank: torch's fused cross-entropy of the fp32 logits (its exact
+    bits), within fp32 rounding of the float64 loss and gradient (softmax minus the one-hot target)."""
+    from megatron.core import tensor_parallel
+
+    generator = torch.Generator().manual_seed(sum(shape))
+    logits = (4 * torch.randn(shape, generator=generator)).to(dtype).requires_grad_()
+    target = torch.randint(0, shape[-1], shape[:-1], generator=generator)
+    grad_output = torch.rand(shape[:-1], generator=generator)
+    with mu.one_process_world():
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target)
+    loss.backward(grad_output)
+    fused = torch.nn.functional.cross_entropy(logits.detach().float().view(-1, shape[-1]), target.view(-1),
+                                              reduction="none").view_as(target)
+    assert loss.dtype == torch.float32 and torch.equal(loss, fused)
+    exact = logits.detach().double()
+    expected = torch.logsumexp(exact, -1) - exact.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(loss.double(), expected, rtol=CROSS_ENTROPY_TOLERANCE[dtype], atol=1e-6)
+    one_hot = torch.nn.functional.one_hot(target, shape[-1]).double()
+    expected_grad = (torch.softmax(exact, -1) - one_hot) * grad_output.double().unsqueeze(-1)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad.double(), expected_grad.to(dtype).double(),
+                               rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_label_smoothing_keeps_megatrons_cross_entropy():
+    """Megatron's label smoothing spreads alpha over the K - 1 other tokens (torch's over all K): it stays Megatron's."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+
+    generator = torch.Generator().manual_seed(5)
+    logits, target = torch.randn(6, 2, 32, generator=generator), torch.randint(0, 32, (6, 2), generator=generator)
+    with mu.one_process_world():
+        smoothed = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), target, 0.1)
+        megatrons = _VocabParallelCrossEntropy.apply(logits.clone(), target, 0.1)
+    assert torch.equal(smoothed, megatrons)

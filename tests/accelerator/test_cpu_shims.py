@@ -211,6 +211,57 @@ def _premul_sums(rank, world_size):
     return results
 
 
+SHARED_MEMORY_CASES = [  # (dtype, shape, op): one element, an odd size, 2.5 chunks of a rank's slot
+    (dtype, shape, op)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+    for shape in ((1,), (3, 7), (5 * 1024 * 1024 // 16 // 2, 8))
+    for op in ("SUM", "AVG", "MAX", "MIN")
+    if not (op == "AVG" and not dtype.is_floating_point)
+]
+
+
+def _case_inputs(dtype, shape, seed, world_size):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(shape, generator=generator, dtype=torch.float64) * 100).to(dtype) for _ in range(world_size)]
+
+
+def _shared_memory_all_reduces(rank, world_size):
+    """All-reduces through shared memory (every dtype, size and op, non-contiguous, inside Megatron's coalescing
+    manager, a tensor that requires grad, asynchronous), each against gloo's result for the same inputs."""
+    import torch.distributed as dist
+
+    from ascendspeed.accelerator import cpu_shared_memory
+
+    def reduced(tensor, op, shared_memory):
+        os.environ["ASCENDSPEED_SHM_ALL_REDUCE"] = "1" if shared_memory else "0"
+        try:
+            dist.all_reduce(tensor, op=op)
+        finally:
+            os.environ.pop("ASCENDSPEED_SHM_ALL_REDUCE")
+        return tensor
+
+    results = []
+    for index, (dtype, shape, op) in enumerate(SHARED_MEMORY_CASES):
+        mine = _case_inputs(dtype, shape, index, world_size)[rank]
+        results.append((reduced(mine.clone(), getattr(dist.ReduceOp, op), True),
+                        reduced(mine.clone(), getattr(dist.ReduceOp, op), False)))
+    strided = torch.arange(64.0).view(8, 8)[:, ::2] * (rank + 1)
+    dist.all_reduce(strided)
+    coalesced = [torch.full((3,), float(rank)), torch.full((5,), 2.0 * rank)]
+    with dist._coalescing_manager(dist.group.WORLD):
+        for tensor in coalesced:
+            dist.all_reduce(tensor)
+    leaf = torch.full((4,), float(rank + 1), requires_grad=True)
+    dist.all_reduce(leaf.data)
+    overlapped = torch.full((6,), float(rank + 2))
+    work = dist.all_reduce(overlapped, async_op=True)  # Megatron's --overlap-grad-reduce buckets
+    completed_at_once = work.is_completed()
+    work.wait()
+    region = cpu_shared_memory._regions.get(dist.distributed_c10d._get_default_group())
+    return (results, strided, coalesced, leaf.detach(), region is not None,
+            (overlapped, work.get_future().value()[0], completed_at_once))
+
+
 @pytest.fixture(scope="module")
 def nccl_world_job(tmp_path_factory):
     """One 2-rank job: the world asked for NCCL, then NCCL's collective shapes on it."""
@@ -218,7 +269,7 @@ def nccl_world_job(tmp_path_factory):
 
     store = tmp_path_factory.mktemp("nccl_world") / "store"
     return run_distributed_cases(call, 2, [(_world_asked_for_nccl, str(store)), (_collectives_into_other_shapes,),
-                                           (_premul_sums,)], timeout=120)
+                                           (_premul_sums,), (_shared_memory_all_reduces,)], timeout=180)
 
 
 def test_groups_asked_for_nccl_connect_on_first_use_as_nccl_does(nccl_world_job):
@@ -444,3 +495,63 @@ def test_indices_to_multihot_names_mismatched_shapes():
 
     with pytest.raises(ValueError, match="probs_indices"):
         fused_indices_converter.fused_indices_to_multihot(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 3), 4)
+
+
+def test_all_reduce_among_ranks_of_one_host_runs_in_shared_memory_as_gloo_reduces(nccl_world_job):
+    """Every dtype, op and size (one element to 2.5 chunks of a rank's slot) reduced through shared memory gives
+    gloo's bits and the float64 reduction rounded to the dtype; both ranks get the same bits."""
+    per_rank = nccl_world_job[3]
+    for index, (dtype, shape, op) in enumerate(SHARED_MEMORY_CASES):
+        inputs = torch.stack([value.double() for value in _case_inputs(dtype, shape, index, 2)])
+        expected = {"SUM": inputs.sum(0), "AVG": inputs.mean(0), "MAX": inputs.max(0).values,
+                    "MIN": inputs.min(0).values}[op]
+        for rank in range(2):
+            shared, gloo = per_rank[rank][0][index]
+            assert torch.equal(shared, per_rank[0][0][index][0]), (dtype, shape, op)
+            if dtype.is_floating_point:  # gloo's AVG divides in the dtype: within one rounding of it
+                torch.testing.assert_close(shared, gloo, rtol=0 if op != "AVG" else None,
+                                           atol=0 if op != "AVG" else None)
+                torch.testing.assert_close(shared, expected.to(dtype), rtol=0, atol=0)
+            else:
+                assert torch.equal(shared, gloo) and torch.equal(shared, expected.to(dtype)), (dtype, shape, op)
+    for rank in range(2):
+        _, strided, coalesced, leaf, used, (overlapped, future_value, completed_at_once) = per_rank[rank]
+        assert used and completed_at_once
+        assert torch.equal(overlapped, torch.full((6,), 5.0)) and torch.equal(future_value, overlapped)
+        assert torch.equal(strided, torch.arange(64.0).view(8, 8)[:, ::2] * 3)
+        assert torch.equal(coalesced[0], torch.full((3,), 1.0)) and torch.equal(coalesced[1], torch.full((5,), 2.0))
+        assert torch.equal(leaf, torch.full((4,), 3.0))
+
+
+def _shared_memory_region(world_size, pids):
+    """A region as the group's ranks would map it, in this process: each rank's pid in its line."""
+    from ascendspeed.accelerator.cpu_shared_memory import SLOT_BYTES
+    from ascendspeed.ops._extension import load_extension
+
+    header = load_extension().shm_all_reduce_header_bytes(world_size)
+    region = torch.zeros(header + 2 * world_size * SLOT_BYTES, dtype=torch.uint8)
+    for rank, pid in enumerate(pids):
+        region[64 * (1 + rank):64 * (1 + rank) + 8].view(torch.int64)[0] = pid
+    return region
+
+
+def test_a_rank_waiting_for_a_peer_that_exited_says_which_one():
+    """A rank that crashed never arrives: the waiting rank names it within seconds instead of waiting out the
+    process group's timeout."""
+    import subprocess
+    import sys
+
+    from ascendspeed.accelerator.cpu_shared_memory import SLOT_BYTES
+
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    region = _shared_memory_region(2, [os.getpid(), int(exited.stdout)])
+    with pytest.raises(RuntimeError, match=rf"rank 1 of the group \(pid {int(exited.stdout)}\) exited"):
+        torch.ops.ascendspeed.shm_all_reduce_(torch.ones(4), region, 0, 2, SLOT_BYTES, 0, 60.0)
+
+
+def test_a_rank_left_waiting_by_live_peers_times_out_naming_the_cause():
+    from ascendspeed.accelerator.cpu_shared_memory import SLOT_BYTES
+
+    region = _shared_memory_region(2, [os.getpid(), os.getpid()])
+    with pytest.raises(RuntimeError, match=r"rank 0 waited more than 1.5 s for the other ranks of its group"):
+        torch.ops.ascendspeed.shm_all_reduce_(torch.ones(4), region, 0, 2, SLOT_BYTES, 0, 1.5)

@@ -189,6 +189,25 @@ def _rebuilt_parallel_state(rank, world_size):
     return results
 
 
+def _meshed_group_outlives_its_state(rank, world_size):
+    """A DeviceMesh over a state's data-parallel group (Megatron-FSDP's) still reaches it by name under the next
+    state, as on NCCL; the state's other groups are destroyed with it."""
+    from megatron.core import parallel_state
+    from torch.distributed import DeviceMesh, distributed_c10d
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    meshed, other = parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    mesh = DeviceMesh.from_group(meshed, "cuda")
+    names = meshed.group_name, other.group_name
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    summed = torch.full((3,), float(rank + 1))
+    torch.distributed.all_reduce(summed, group=mesh.get_group())
+    alive = [name in distributed_c10d._world.pg_names.values() for name in names]
+    parallel_state.destroy_model_parallel()
+    return summed, alive
+
+
 @pytest.fixture(scope="module")
 def world_size_one():
     return run_distributed(_world_size_one, 1)[0]
@@ -197,7 +216,8 @@ def world_size_one():
 @pytest.fixture(scope="module")
 def two_ranks():
     """The data- and model-parallel runs in one 2-rank job."""
-    return run_distributed_cases(call, 2, [(_data_parallel,), (_model_parallel,), (_rebuilt_parallel_state,)])
+    return run_distributed_cases(call, 2, [(_data_parallel,), (_model_parallel,), (_rebuilt_parallel_state,),
+                                           (_meshed_group_outlives_its_state,)])
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +285,12 @@ def test_a_rebuilt_parallel_state_leaves_no_process_groups_or_threads_behind(two
         assert results["ascendspeed"] == (0, 0), f"rank {rank}: (groups, threads) left {results['ascendspeed']}"
         groups, threads = results["megatron"]
         assert groups > 10 and threads > 20, f"rank {rank}: without the shim {results['megatron']}"
+
+
+def test_a_group_a_device_mesh_names_outlives_its_state_as_on_nccl(two_ranks):
+    """Megatron-FSDP's DTensors carry their mesh across model-parallel states, and the mesh finds its groups by
+    name: those groups are kept (Megatron's GPT-to-hybrid Megatron-FSDP checkpoint tests load one layout's model
+    into another's); the state's other groups still go with it."""
+    for rank, (summed, (meshed_alive, other_alive)) in enumerate(two_ranks[3]):
+        assert torch.equal(summed, torch.full((3,), 3.0)), f"rank {rank}"
+        assert meshed_alive and not other_alive, f"rank {rank}"
