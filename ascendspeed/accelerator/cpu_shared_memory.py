@@ -4,16 +4,16 @@ gloo moves every byte of a CPU collective through a TCP connection and its own t
 two processes of one host, 3.4 ms for the 3.4 MB gradient buffer of a 0.84M-parameter GPT, exposed after
 backward by Megatron's default ``--no-overlap-grad-reduce``, and a fixed cost of tens of microseconds on each
 of tensor parallelism's small activation all-reduces. When every rank of a group runs on this host, its
-synchronous all-reduces of CPU tensors run in a shared memory region instead
+all-reduces of CPU tensors run in a shared memory region instead
 (``ascendspeed/csrc/shm_all_reduce/``): each rank copies its data in, reduces one partition of every rank's
 data, and copies the reduced partitions out, at memory bandwidth.
 
 What it serves is decided from what every rank of a collective passes alike (the group, the tensor's dtype and
-size, the reduction, ``async_op``), so every rank takes the same path: synchronous calls on CPU tensors of real
-or integer dtypes, with ``SUM``, ``AVG`` (real dtypes), ``MAX`` or ``MIN``, in groups of two or more ranks.
-Asynchronous calls stay gloo's (their work object is gloo's). A group's region is made on its first such call:
-the group's rank 0 creates it, gloo tells the others its name and whether every rank is on this host (host name
-and boot id), and once all ranks mapped it its name is unlinked, so nothing outlives the processes. Any rank
+size, the reduction), so every rank takes the same path: calls on CPU tensors of real or integer dtypes, with
+``SUM``, ``AVG`` (real dtypes), ``MAX`` or ``MIN``, in groups of two or more ranks. An asynchronous call is
+reduced when issued and gets a completed work object (``completed_work``). A group's region is made on its
+first such call: the group's rank 0 creates it, gloo tells the others its name and whether every rank is on this
+host (host name and boot id), and once all ranks mapped it its name is unlinked, so nothing outlives them. Any rank
 that cannot map it (a full ``/dev/shm``) leaves the whole group on gloo. bf16/fp16 sums accumulate in fp32 and
 round once, as NCCL does; each partition is reduced by one rank, so every rank gets the same bits.
 ``ASCENDSPEED_SHM_ALL_REDUCE=0`` keeps every all-reduce on gloo.
@@ -117,11 +117,10 @@ def _map_region(group) -> Optional[_Region]:
     rank, world = group.rank(), group.size()
     size = ops.shm_all_reduce_header_bytes(world) + 2 * world * SLOT_BYTES
     token = os.urandom(16) if rank == 0 else bytes(16)
-    path = f"/dev/shm/ascendspeed-all-reduce-{token.hex()}"
-    created_here = rank == 0 and _create(path, size)
+    created_here = rank == 0 and _create(_region_path(token), size)
     views = _gather(group, _host_key() + token + bytes([created_here]))
-    host, token, created = views[0][:16], views[0][16:32], views[0][32] == 1
-    path = f"/dev/shm/ascendspeed-all-reduce-{token.hex()}"
+    host, created = views[0][:16], views[0][32] == 1
+    path = _region_path(views[0][16:32])  # rank 0's token
     if not created or any(view[:16] != host for view in views):
         if created_here:
             os.unlink(path)
@@ -144,6 +143,10 @@ def _map_region(group) -> Optional[_Region]:
                     "(ASCENDSPEED_SHM_ALL_REDUCE=0 keeps it on gloo)")
     timeout = dist.constants.default_pg_timeout.total_seconds()
     return _Region(memory, torch.frombuffer(memory, dtype=torch.uint8), rank, world, timeout)
+
+
+def _region_path(token: bytes) -> str:
+    return f"/dev/shm/ascendspeed-all-reduce-{token.hex()}"
 
 
 def _create(path: str, size: int) -> bool:
