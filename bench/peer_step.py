@@ -18,8 +18,12 @@ Per size, dtype and entry configuration, one 2-rank gloo job (one thread per ran
 The two alternate in blocks of ``--steps`` steps for ``--rounds`` rounds (machine noise hits both alike; one
 step per block, the default, keeps the ratio within a few per cent between runs on a shared machine, where
 blocks of 4-6 steps moved it by up to 30 %);
-throughput is tokens per second over all ranks from the median step time. Then ``--profile-steps`` steps
-of each under torch.profiler give the per-phase breakdown (milliseconds per step, rank 0): forward,
+throughput is tokens per second over all ranks from the median step time. The paired ratio is the median over
+rounds of the peer's block time over the entry's adjacent block: a machine whose speed drifts during the run
+(a shared host's neighbours) moves both blocks of a round alike, so it moves less between runs.
+``--compiled-bias-dropout-add`` adds a third block per round (the rotation shifts by one each round): the
+entry's step with Megatron's compiled bias-dropout-add put back, an A/B of that CPU shim in one process.
+Then ``--profile-steps`` steps of each under torch.profiler give the per-phase breakdown (milliseconds per step, rank 0): forward,
 backward, gradient reduction (collectives, and Megatron's ``finalize_model_grads``), optimizer (clipping
 included) and the rest (data, zeroing, the loss all-reduce, Python between phases).
 """
@@ -49,6 +53,8 @@ CONFIGS = {
 }
 DTYPES = {"fp32": [], "bf16": ["--bf16"]}
 PHASES = ("forward", "backward", "grad_reduce", "optimizer", "rest")
+#: The entry's step with Megatron's compiled bias-dropout-add (``--compiled-bias-dropout-add``).
+COMPILED_BDA = "entry_compiled_bias_dropout_add"
 COLLECTIVE_MARKERS = ("allreduce", "all_reduce", "c10d::", "gloo:", "reduce_scatter", "allgather", "all_gather")
 
 
@@ -156,6 +162,12 @@ def instrument_entry(trainer):
     trainer.optimizer.step = ranged("phase:optimizer", trainer.optimizer.step)
 
 
+def paired_ratio(peer: list[float], entry: list[float], steps: int) -> float:
+    """The median over rounds of the peer's block time over the entry's block of the same round."""
+    return statistics.median(sum(peer[start:start + steps]) / sum(entry[start:start + steps])
+                             for start in range(0, len(entry), steps))
+
+
 def _is_collective(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in COLLECTIVE_MARKERS)
@@ -207,8 +219,25 @@ def _ancestors(event):
         parent = parent.cpu_parent
 
 
+def with_compiled_bias_dropout_add(step):
+    """``step`` with Megatron's compiled fused bias-dropout-add, which the adaptor replaces on CPU tensors by
+    the eager function it compiles (``ascendspeed/accelerator/cpu_fusions.py``), put back for its duration."""
+    from megatron.core.fusions import fused_bias_dropout
+
+    eager = fused_bias_dropout.bias_dropout_add_fused_train
+
+    def compiled_step():
+        fused_bias_dropout.bias_dropout_add_fused_train = eager.__wrapped__
+        try:
+            step()
+        finally:
+            fused_bias_dropout.bias_dropout_add_fused_train = eager
+
+    return compiled_step
+
+
 def worker(rank: int, world_size: int, flags: list[str], dtype: str, rounds: int, steps: int, profile_steps: int,
-           table_rows: int):
+           table_rows: int, compiled_bias_dropout_add: bool = False):
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
@@ -242,12 +271,17 @@ def worker(rank: int, world_size: int, flags: list[str], dtype: str, rounds: int
             seconds.append(time.perf_counter() - start)
         return seconds
 
-    times = {"entry": [], "peer": []}
-    timed_block(entry_step), timed_block(peer)  # warm-up: allocator, first-call paths
+    contestants = {"entry": entry_step, "peer": peer}
+    if compiled_bias_dropout_add:
+        contestants[COMPILED_BDA] = with_compiled_bias_dropout_add(entry_step)
+    times = {name: [] for name in contestants}
+    for step in contestants.values():
+        timed_block(step)  # warm-up: allocator, first-call paths, compilation
+    names = list(contestants)
     for round_index in range(rounds):
-        order = ("entry", "peer") if round_index % 2 == 0 else ("peer", "entry")
-        for name in order:
-            times[name] += timed_block(entry_step if name == "entry" else peer)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name] += timed_block(contestants[name])
     instrument_entry(trainer)
     phases = {}
     for name, step in (("entry", trainer.train_step), ("peer", peer)):
@@ -265,6 +299,9 @@ def worker(rank: int, world_size: int, flags: list[str], dtype: str, rounds: int
         "parameters": counts,
         "tokens_per_step": tokens,
         "median_step_s": {name: statistics.median(seconds) for name, seconds in times.items()},
+        "entry_over_peer_paired": paired_ratio(times["peer"], times["entry"], steps),
+        **({"compiled_bias_dropout_add_over_peer_paired": paired_ratio(times["peer"], times[COMPILED_BDA], steps)}
+           if compiled_bias_dropout_add else {}),
         "tokens_per_s": {name: tokens / statistics.median(seconds) for name, seconds in times.items()},
         "phases_ms": phases,
         "threads": torch.get_num_threads(),
@@ -281,6 +318,9 @@ def main(argv=None):
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--table", type=int, default=0, metavar="ROWS",
                         help="also print rank 0's profiled operators, the ROWS most expensive (self CPU time)")
+    parser.add_argument("--compiled-bias-dropout-add", action="store_true",
+                        help="also time the entry's step with Megatron's compiled bias-dropout-add in each round "
+                             "(the adaptor runs the eager function on a CPU) and report its paired ratio")
     parser.add_argument("--output", help="write the results as JSON here")
     options = parser.parse_args(argv)
     import torch
@@ -291,12 +331,15 @@ def main(argv=None):
             for config in options.configs:
                 flags = SIZES[size] + CONFIGS[config] + DTYPES[dtype]
                 result = run_on_gloo_ranks(worker, 2, flags, dtype, options.rounds, options.steps,
-                                           options.profile_steps, options.table)
+                                           options.profile_steps, options.table, options.compiled_bias_dropout_add)
                 ratio = result["tokens_per_s"]["entry"] / result["tokens_per_s"]["peer"]
                 result |= {"size": size, "dtype": dtype, "config": config, "entry_over_peer": ratio}
                 results["runs"].append(result)
                 print(f"{size:5s} {dtype} {config:17s} entry {result['tokens_per_s']['entry']:9,.0f} tok/s  "
-                      f"peer {result['tokens_per_s']['peer']:9,.0f} tok/s  entry/peer {ratio:.3f}  "
+                      f"peer {result['tokens_per_s']['peer']:9,.0f} tok/s  entry/peer {ratio:.3f} "
+                      f"(paired {result['entry_over_peer_paired']:.3f}"
+                      + (f"; compiled bias-dropout-add {result['compiled_bias_dropout_add_over_peer_paired']:.3f}"
+                         if options.compiled_bias_dropout_add else "") + ")  "
                       f"(parameters {result['parameters']['entry']:,} / {result['parameters']['peer']:,})",
                       flush=True)
                 for name in ("entry", "peer"):

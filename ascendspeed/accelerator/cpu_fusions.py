@@ -10,6 +10,14 @@ within 6e-7 of the float64 function in fp32; tests/accelerator/test_cpu_fusions.
 are summed and evaluated in fp32 and rounded once, so the result is within one rounding of the float64
 function at every x (Megatron's form rounds ``bias + y`` first, which GeLU's tail amplifies).
 
+``fusions.fused_bias_dropout``'s fused bias-dropout-add (``bias_dropout_fusion``, Megatron's default: twice per
+transformer layer) is Megatron's own eager function compiled by ``jit_fuser``. On a CPU the compiled call costs
+more than the eager one at every size and dropout rate measured (``bench/bias_dropout_add.py``, forward and
+backward, one thread, compiled / eager: 1.56x at [128, 8, 128] and 1.26x at [256, 4, 512] without dropout, 2.65x
+and 2.77x with dropout 0.1): the compiled graph's guards and wrappers outweigh the one pass saved, and its dropout
+draws the mask more slowly than torch's kernel. On CPU tensors both fused functions run Megatron's eager
+function: the same arithmetic in the same order, dropout masks drawn by torch from the same CPU generator.
+
 ``tensor_parallel.vocab_parallel_cross_entropy`` (the loss of every Megatron language model without TE's
 fused cross-entropy) makes eight passes over the fp32 logits and three all-reduces on the tensor-parallel
 group, also when that group is one rank: 1.8 ms of a 120 ms step of bench/peer_step.py's small model, where
@@ -91,6 +99,20 @@ def wrap_vocab_parallel_cross_entropy(original):
     return vocab_parallel_cross_entropy
 
 
+def wrap_bias_dropout_add_eager_on_cpu(original, *, training: bool):
+    """Megatron's fused bias-dropout-add (``original``, compiled) for CPU tensors replaced by the eager function
+    it compiles, ``_bias_dropout_add_func`` (looked up when called, so a patched one is honoured)."""
+    from megatron.core.fusions import fused_bias_dropout
+
+    @functools.wraps(original)
+    def bias_dropout_add(x_with_bias, residual, prob):
+        if residual.device.type == "cpu":
+            return fused_bias_dropout._bias_dropout_add_func(x_with_bias, residual, prob, training)
+        return original(x_with_bias, residual, prob)
+
+    return bias_dropout_add
+
+
 CROSS_ENTROPY = "cpu fusions: wrap vocab_parallel_cross_entropy, torch's cross-entropy on one tensor-parallel rank"
 
 
@@ -103,6 +125,14 @@ def patches():
              wrap_vocab_parallel_cross_entropy,
              expect="(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None)",
              megatron=">=0.19", name=CROSS_ENTROPY),
+        wrap("megatron.core.fusions.fused_bias_dropout:bias_dropout_add_fused_train",
+             functools.partial(wrap_bias_dropout_add_eager_on_cpu, training=True),
+             expect="(x_with_bias, residual, prob)",
+             name="cpu fusions: bias-dropout-add (training) eager on CPU tensors"),
+        wrap("megatron.core.fusions.fused_bias_dropout:bias_dropout_add_fused_inference",
+             functools.partial(wrap_bias_dropout_add_eager_on_cpu, training=False),
+             expect="(x_with_bias, residual, prob)",
+             name="cpu fusions: bias-dropout-add (inference) eager on CPU tensors"),
         replace("megatron.core.fusions.fused_bias_gelu:bias_gelu", _fused_on_first_call(bias_gelu_sigmoid_form),
                 expect="(bias, y)", name="cpu fusions: bias-GeLU (tanh form) as x * sigmoid(2u)"),
         replace("megatron.core.fusions.fused_bias_gelu:bias_gelu_back",

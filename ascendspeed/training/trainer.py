@@ -335,13 +335,15 @@ class Trainer:
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
+        # Reduced here, where the gradient reduction has just brought the ranks into step, rather than after the
+        # optimizer: a rank that reaches it first then waits for the others once per step, not twice.
+        watchdog.report("the loss all-reduce")
+        loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
         watchdog.report("the optimizer step")
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
         self.iteration += 1
-        watchdog.report("the loss all-reduce")
-        loss = _mean_over_last_stage([entry["lm loss"] for entry in losses], self.device)
         return loss, grad_norm, updated
 
     def _stop_if_diverged(self, loss: float, grad_norm: Optional[float]) -> None:

@@ -1,11 +1,13 @@
-"""Megatron's bias-GeLU fusion on the CPU (``ascendspeed.accelerator.cpu_fusions``): the sigmoid form against
-Megatron's own tanh form and the float64 function, forward and backward, through ``GeLUFunction``."""
+"""Megatron's fusions on the CPU (``ascendspeed.accelerator.cpu_fusions``): bias-GeLU's sigmoid form against
+Megatron's own tanh form and the float64 function, forward and backward, through ``GeLUFunction``; the fused
+bias-dropout-add as Megatron's eager function; the cross-entropy of one tensor-parallel rank."""
 import pytest
 import torch
 
 from tests.helpers import megatron as mu  # noqa: F401  installs ascendspeed (CPU shims) before megatron is used
 from megatron.core.fusions import fused_bias_gelu
 
+from ascendspeed.accelerator import cpu_fusions
 from ascendspeed.accelerator.cpu_fusions import bias_gelu_back_sigmoid_form, bias_gelu_sigmoid_form
 
 #: dtype -> relative tolerance against float64.
@@ -117,3 +119,65 @@ def test_label_smoothing_keeps_megatrons_cross_entropy():
         smoothed = tensor_parallel.vocab_parallel_cross_entropy(logits.clone(), target, 0.1)
         megatrons = _VocabParallelCrossEntropy.apply(logits.clone(), target, 0.1)
     assert torch.equal(smoothed, megatrons)
+
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 3, 48), (64, 2, 256)])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "inference"])
+def test_fused_bias_dropout_add_is_megatrons_eager_function_on_the_cpu(dtype, shape, training):
+    """What the transformer layer calls with ``bias_dropout_fusion`` (``get_bias_dropout_add(training, True)``):
+    on CPU tensors Megatron's eager function, bit for bit and with the same dropout mask from the same generator
+    state, within one rounding of ``residual + dropout(x + bias)`` in float64, forward and backward."""
+    from megatron.core.fusions import fused_bias_dropout
+
+    function = fused_bias_dropout.get_bias_dropout_add(training, True)
+    assert function.__code__ is cpu_fusions.wrap_bias_dropout_add_eager_on_cpu(None, training=training).__code__
+    generator = torch.Generator().manual_seed(sum(shape))
+    x, residual, grad = ((torch.randn(shape, generator=generator) * 2).to(dtype) for _ in range(3))
+    bias = torch.randn(shape[-1], generator=generator).to(dtype)
+    for prob in (0.0, 0.25):
+        leaves = [tensor.clone().requires_grad_() for tensor in (x, bias, residual)]
+        eager_leaves = [tensor.clone().requires_grad_() for tensor in (x, bias, residual)]
+        torch.manual_seed(prob * 100)
+        out = function((leaves[0], leaves[1]), leaves[2], prob)
+        torch.manual_seed(prob * 100)
+        eager = fused_bias_dropout._bias_dropout_add_func((eager_leaves[0], eager_leaves[1]), eager_leaves[2], prob,
+                                                          training)
+        out.backward(grad)
+        eager.backward(grad)
+        assert out.dtype == dtype and torch.equal(out, eager)
+        assert all(torch.equal(ours.grad, theirs.grad) for ours, theirs in zip(leaves, eager_leaves))
+
+        x64, bias64, residual64 = (tensor.double() for tensor in (x, bias, residual))
+        scale = 1 / (1 - prob) if training and prob else 1.0
+        torch.manual_seed(prob * 100)  # the same draw on a tensor of ones gives the mask
+        mask = (torch.nn.functional.dropout(torch.ones(shape, dtype=dtype), prob, training) != 0).double()
+        expected = residual64 + mask * (x64 + bias64) * scale
+        # three roundings (the sum with the bias, the dropout scale, the residual sum), each within eps / 2 of
+        # what it rounds: bounded by eps times the magnitudes summed
+        magnitude = residual64.abs() + mask * (x64.abs() + bias64.abs()) * scale
+        assert ((out.double() - expected).abs() <= torch.finfo(dtype).eps * 1.5 * magnitude).all()
+        torch.testing.assert_close(leaves[0].grad.double(), grad.double() * mask * scale,
+                                   rtol=torch.finfo(dtype).eps, atol=0)
+        assert torch.equal(leaves[2].grad, grad)
+        if training and prob:
+            assert 0.1 < 1 - mask.mean().item() < 0.4  # about prob of the elements dropped
+
+
+def test_bias_dropout_add_leaves_other_devices_to_the_compiled_function():
+    """The suite runs with torch.compile off, so the wrapper's dispatch is checked with a stand-in for the compiled
+    function: never called for CPU tensors, called with the arguments as given for any other device."""
+    calls = []
+
+    def compiled(x_with_bias, residual, prob):
+        calls.append((x_with_bias, residual, prob))
+        return residual
+
+    function = cpu_fusions.wrap_bias_dropout_add_eager_on_cpu(compiled, training=True)
+    x, residual = torch.ones(2, 3), torch.zeros(2, 3)
+    torch.testing.assert_close(function((x, None), residual, 0.0), x)
+    assert calls == []
+    meta = torch.empty(2, 3, device="meta")
+    assert function((meta, None), meta, 0.5) is meta and calls == [((meta, None), meta, 0.5)]
