@@ -14,14 +14,12 @@ shuffled order per block; reported: the median block's time per call, and compil
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import random
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import finish_results, machine  # noqa: E402
+from harness import finish_results, machine, shuffled_block_medians  # noqa: E402
 
 CALLS_PER_BLOCK = 20
 
@@ -59,17 +57,9 @@ def main(argv=None):
             for function in functions.values():
                 for _ in range(3):  # compile, first-call paths
                     call(function, prob)
-            seconds = {name: [] for name in functions}
-            for _ in range(options.blocks):
-                names = list(functions)
-                random.shuffle(names)
-                for name in names:
-                    start = time.perf_counter()
-                    for _ in range(CALLS_PER_BLOCK):
-                        call(functions[name], prob)
-                    seconds[name].append((time.perf_counter() - start) / CALLS_PER_BLOCK)
-            row = {"shape": list(shape), "dropout": prob,
-                   "ms": {name: statistics.median(values) * 1e3 for name, values in seconds.items()}}
+            ms = shuffled_block_medians({name: functools.partial(call, function, prob)
+                                         for name, function in functions.items()}, options.blocks, CALLS_PER_BLOCK)
+            row = {"shape": list(shape), "dropout": prob, "ms": ms}
             row["compiled_over_eager"] = row["ms"]["compiled"] / row["ms"]["eager"]
             results["rows"].append(row)
             print(f"shape {text:>10}  dropout {prob:.2f}  compiled {row['ms']['compiled']:7.3f} ms  "

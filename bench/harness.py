@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -113,6 +114,22 @@ def timed(fn: Callable[..., T], *args) -> tuple[T, float]:
     start = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - start
+
+
+def shuffled_block_medians(functions: dict[str, Callable[[], object]], blocks: int,
+                           calls_per_block: int) -> dict[str, float]:
+    """Milliseconds per call of each of ``functions``, the median over ``blocks`` blocks of ``calls_per_block``
+    calls, the functions in a fresh random order per block (machine noise and cache state hit all alike)."""
+    seconds = {name: [] for name in functions}
+    for _ in range(blocks):
+        names = list(functions)
+        random.shuffle(names)
+        for name in names:
+            start = time.perf_counter()
+            for _ in range(calls_per_block):
+                functions[name]()
+            seconds[name].append((time.perf_counter() - start) / calls_per_block)
+    return {name: statistics.median(values) * 1e3 for name, values in seconds.items()}
 
 
 class PhaseTimes:

@@ -1,4 +1,4 @@
-"""megatron-core's fused elementwise functions in forms the CPU compiles well.
+"""megatron-core's fused elementwise functions in the forms that run fastest on a CPU.
 
 ``fusions.fused_bias_gelu`` (Megatron's default MLP activation with a bias: ``bias_gelu_fusion``) computes
 GeLU's tanh approximation with ``torch.tanh``, compiled by ``megatron.core.jit.jit_fuser``. On a CPU the
@@ -8,7 +8,11 @@ with ``s = sigmoid(2u)`` (``1 - tanh(u)^2 = 4 s (1 - s)``), with Megatron's cons
 vectorises ``sigmoid``, and the pair runs in 0.4x the time. The two forms differ by rounding only (both
 within 6e-7 of the float64 function in fp32; tests/accelerator/test_cpu_fusions.py). Half-precision inputs
 are summed and evaluated in fp32 and rounded once, so the result is within one rounding of the float64
-function at every x (Megatron's form rounds ``bias + y`` first, which GeLU's tail amplifies).
+function at every x (Megatron's form rounds ``bias + y`` first, which GeLU's tail amplifies). Each compiled
+call still passes the compiled graph's guards and wrappers, which cost about as much as its arithmetic at the
+sizes of a small model; on CPU tensors of one dtype both functions run the C++ operators of that form,
+``ascendspeed::bias_gelu`` and ``bias_gelu_backward`` (``ascendspeed/ops/bias_gelu.py``,
+``bench/bias_gelu.py``), and the compiled form serves anything else.
 
 ``fusions.fused_bias_dropout``'s fused bias-dropout-add (``bias_dropout_fusion``, Megatron's default: twice per
 transformer layer) is Megatron's own eager function compiled by ``jit_fuser``. On a CPU the compiled call costs
@@ -59,6 +63,51 @@ def bias_gelu_back_sigmoid_form(g: torch.Tensor, bias: torch.Tensor, y: torch.Te
     s = torch.sigmoid(2.0 * SQRT_2_OVER_PI * x * (1 + 0.044715 * x * x))
     grad = (s + 2.0 * x * s * (1 - s) * (SQRT_2_OVER_PI + CUBIC_SLOPE * x * x)) * g.to(x.dtype)
     return grad.to(torch.promote_types(g.dtype, y.dtype))
+
+
+def _operator_applies(bias: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether the C++ bias-GeLU operators take these arguments: CPU tensors of one dtype they support, the bias
+    a vector as long as the last dimension of the others."""
+    return (bias.device.type == "cpu" and bias.dtype in _OPERATOR_DTYPES and bias.dim() == 1
+            and all(t.device.type == "cpu" and t.dtype == bias.dtype and t.dim() > 0 and t.size(-1) == bias.numel()
+                    for t in tensors))
+
+
+_OPERATOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _operators_built() -> bool:
+    """Whether ascendspeed's C++ operators load (a build without them, ``ASCENDSPEED_BUILD_C=0``, keeps the
+    compiled form); importing ``ascendspeed.ops.bias_gelu`` registers the operators' autograd and kernels."""
+    try:
+        import ascendspeed.ops.bias_gelu  # noqa: F401
+    except RuntimeError:
+        return False
+    return True
+
+
+def bias_gelu_on_cpu_operator(compiled):
+    """Megatron's ``bias_gelu(bias, y)``: ``ascendspeed::bias_gelu`` where it applies, else ``compiled``."""
+
+    def bias_gelu(bias, y):
+        if _operator_applies(bias, y) and _operators_built():
+            return torch.ops.ascendspeed.bias_gelu(y, bias)
+        return compiled(bias, y)
+
+    return bias_gelu
+
+
+def bias_gelu_back_on_cpu_operator(compiled):
+    """Megatron's ``bias_gelu_back(g, bias, y)``: ``ascendspeed::bias_gelu_backward`` where it applies, else
+    ``compiled``."""
+
+    def bias_gelu_back(g, bias, y):
+        if _operator_applies(bias, g, y) and _operators_built():
+            return torch.ops.ascendspeed.bias_gelu_backward(g, y, bias)
+        return compiled(g, bias, y)
+
+    return bias_gelu_back
 
 
 def _fused_on_first_call(function):
@@ -133,9 +182,10 @@ def patches():
              functools.partial(wrap_bias_dropout_add_eager_on_cpu, training=False),
              expect="(x_with_bias, residual, prob)",
              name="cpu fusions: bias-dropout-add (inference) eager on CPU tensors"),
-        replace("megatron.core.fusions.fused_bias_gelu:bias_gelu", _fused_on_first_call(bias_gelu_sigmoid_form),
-                expect="(bias, y)", name="cpu fusions: bias-GeLU (tanh form) as x * sigmoid(2u)"),
+        replace("megatron.core.fusions.fused_bias_gelu:bias_gelu",
+                bias_gelu_on_cpu_operator(_fused_on_first_call(bias_gelu_sigmoid_form)), expect="(bias, y)",
+                name="cpu fusions: bias-GeLU (tanh form) as x * sigmoid(2u), on the C++ operator"),
         replace("megatron.core.fusions.fused_bias_gelu:bias_gelu_back",
-                _fused_on_first_call(bias_gelu_back_sigmoid_form),
-                expect="(g, bias, y)", name="cpu fusions: its gradient from the same sigmoid"),
+                bias_gelu_back_on_cpu_operator(_fused_on_first_call(bias_gelu_back_sigmoid_form)),
+                expect="(g, bias, y)", name="cpu fusions: its gradient from the same sigmoid, on the C++ operator"),
     ]

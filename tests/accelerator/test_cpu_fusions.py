@@ -1,5 +1,6 @@
-"""Megatron's fusions on the CPU (``ascendspeed.accelerator.cpu_fusions``): bias-GeLU's sigmoid form against
-Megatron's own tanh form and the float64 function, forward and backward, through ``GeLUFunction``; the fused
+"""Megatron's fusions on the CPU (``ascendspeed.accelerator.cpu_fusions``): bias-GeLU's sigmoid form (the C++
+operator, or compiled) against Megatron's own tanh form and the float64 function, forward and backward, through
+``GeLUFunction``; the fused
 bias-dropout-add as Megatron's eager function; the cross-entropy of one tensor-parallel rank."""
 import pytest
 import torch
@@ -20,9 +21,16 @@ def megatron_tanh_form(bias, y):
     return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
 
 
-def test_megatron_s_fusion_is_the_sigmoid_form_on_the_cpu():
-    assert fused_bias_gelu.bias_gelu.__wrapped__ is bias_gelu_sigmoid_form
-    assert fused_bias_gelu.bias_gelu_back.__wrapped__ is bias_gelu_back_sigmoid_form
+def test_megatron_s_fusion_is_the_cpp_operator_on_cpu_tensors_and_the_sigmoid_form_otherwise():
+    """One dtype on the CPU: the C++ operators' bits. Mixed dtypes (which the operators refuse): the sigmoid form,
+    summed and evaluated in fp32."""
+    y, bias, grad = torch.randn(5, 3, 24), torch.randn(24), torch.randn(5, 3, 24)
+    assert torch.equal(fused_bias_gelu.bias_gelu(bias, y), torch.ops.ascendspeed.bias_gelu(y, bias))
+    assert torch.equal(fused_bias_gelu.bias_gelu_back(grad, bias, y),
+                       torch.ops.ascendspeed.bias_gelu_backward(grad, y, bias))
+    half = y.bfloat16()
+    assert torch.equal(fused_bias_gelu.bias_gelu(bias, half), bias_gelu_sigmoid_form(bias, half))
+    assert torch.equal(fused_bias_gelu.bias_gelu_back(grad, bias, half), bias_gelu_back_sigmoid_form(grad, bias, half))
 
 
 def conditioned_error(actual: torch.Tensor, expected: torch.Tensor, sensitivity: torch.Tensor) -> float:

@@ -11,7 +11,9 @@ import functools
 import pytest
 import torch
 
-from ascendspeed.ops import alibi_attention, alibi_slopes, rms_norm, rotary_embedding, swiglu, weighted_swiglu
+from ascendspeed.ops import (alibi_attention, alibi_slopes, bias_gelu, rms_norm, rotary_embedding, swiglu,
+                             weighted_swiglu)
+from ascendspeed.ops.bias_gelu import bias_gelu_reference
 from ascendspeed.ops.alibi_flash_attention import alibi_flash_attention
 from ascendspeed.ops.rms_norm import rms_norm_reference
 from ascendspeed.ops.rotary import rotary_embedding_reference
@@ -62,6 +64,10 @@ CASES = {
     "weighted_swiglu": [
         (weighted_swiglu, lambda x, w: torch.nn.functional.silu(x.to(F64)[:, :5]) * x.to(F64)[:, 5:] * w.to(F64),
          lambda dtype: [torch.randn(4, 10, dtype=F64).to(dtype), torch.rand(4, 1, dtype=F64).to(dtype)]),
+    ],
+    "bias_gelu": [
+        (bias_gelu, lambda y, b: bias_gelu_reference(y.to(F64), b.to(F64)),
+         lambda dtype: [(2 * torch.randn(4, 6, dtype=F64)).to(dtype), torch.randn(6, dtype=F64).to(dtype)]),
     ],
     "rotary_embedding": [
         (lambda t: rotary_embedding(t, FREQS), lambda t: rotary_embedding_reference(t.to(F64), FREQS.to(F64)),
@@ -183,6 +189,8 @@ def test_backward_operators_refuse_autograd_naming_themselves():
         torch.ops.ascendspeed.alibi_flash_attention_backward(
             out.clone().requires_grad_(), q, q, q, out, lse, alibi_slopes(2), 0.5, 0
         )
+    with pytest.raises(RuntimeError, match="ascendspeed::bias_gelu_backward does not support autograd"):
+        torch.ops.ascendspeed.bias_gelu_backward(grad_y, x, weight)
     with torch.no_grad():
         torch.ops.ascendspeed.rms_norm_backward(grad_y, x, rstd, weight, False)
 
@@ -245,6 +253,7 @@ EMPTY = [
     ("rms_norm batch 0", lambda: [torch.randn(0, 8), torch.randn(8)], lambda x, w: rms_norm(x, w)),
     ("rms_norm rows 0", lambda: [torch.randn(2, 0, 8), torch.randn(8)], lambda x, w: rms_norm(x, w)),
     ("swiglu rows 0", lambda: [torch.randn(0, 8)], swiglu),
+    ("bias_gelu rows 0", lambda: [torch.randn(0, 8), torch.randn(8)], bias_gelu),
     ("weighted_swiglu rows 0", lambda: [torch.randn(0, 8), torch.rand(0, 1)], weighted_swiglu),
     ("rotary seq 0", lambda: [torch.randn(0, 2, 3, 8)], lambda t: rotary_embedding(t, torch.randn(0, 1, 1, 8))),
     ("rotary heads 0", lambda: [torch.randn(4, 2, 0, 8)], lambda t: rotary_embedding(t, torch.randn(4, 1, 1, 8))),
