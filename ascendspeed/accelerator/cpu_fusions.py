@@ -37,8 +37,9 @@ import torch
 
 from ascendspeed.patching import replace, wrap
 
-#: Megatron's constants: sqrt(2 / pi) and 3 * 0.044715 * sqrt(2 / pi).
+#: Megatron's constants: sqrt(2 / pi), GeLU's cubic coefficient, and 3 * 0.044715 * sqrt(2 / pi).
 SQRT_2_OVER_PI = 0.79788456
+CUBIC = 0.044715
 CUBIC_SLOPE = 0.1070322243
 
 
@@ -52,7 +53,7 @@ def _exact_sum(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def bias_gelu_sigmoid_form(bias: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(bias + y)`` as ``x * sigmoid(2u)``, computed in fp32 and rounded once."""
     x = _exact_sum(bias, y)
-    out = x * torch.sigmoid(2.0 * SQRT_2_OVER_PI * x * (1 + 0.044715 * x * x))
+    out = x * torch.sigmoid(2.0 * SQRT_2_OVER_PI * x * (1 + CUBIC * x * x))
     return out.to(torch.promote_types(bias.dtype, y.dtype))
 
 
@@ -60,9 +61,12 @@ def bias_gelu_back_sigmoid_form(g: torch.Tensor, bias: torch.Tensor, y: torch.Te
     """The gradient of ``gelu_tanh(bias + y)`` times ``g``, from ``s = sigmoid(2u)``, computed in fp32 and
     rounded once."""
     x = _exact_sum(bias, y)
-    s = torch.sigmoid(2.0 * SQRT_2_OVER_PI * x * (1 + 0.044715 * x * x))
+    s = torch.sigmoid(2.0 * SQRT_2_OVER_PI * x * (1 + CUBIC * x * x))
     grad = (s + 2.0 * x * s * (1 - s) * (SQRT_2_OVER_PI + CUBIC_SLOPE * x * x)) * g.to(x.dtype)
     return grad.to(torch.promote_types(g.dtype, y.dtype))
+
+
+_OPERATOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _operator_applies(bias: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -71,9 +75,6 @@ def _operator_applies(bias: torch.Tensor, *tensors: torch.Tensor) -> bool:
     return (bias.device.type == "cpu" and bias.dtype in _OPERATOR_DTYPES and bias.dim() == 1
             and all(t.device.type == "cpu" and t.dtype == bias.dtype and t.dim() > 0 and t.size(-1) == bias.numel()
                     for t in tensors))
-
-
-_OPERATOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,8 +7,9 @@ torch's CPU build). Two operators:
 
 * ``torch.ops.ascendspeed.bias_gelu(y, bias)``: CPU, the C++ kernel in ``ascendspeed/csrc/bias_gelu``
   (vectorised per instruction set, one pass over memory, fp32 math for bfloat16 / float16, rounded once);
-  CUDA (and the NPU where torch_npu imports): the same math as a torch-op composition; Meta: the C++ Meta
-  kernel, so ``torch.compile`` keeps the operator in its graph.
+  CUDA (and the NPU where torch_npu imports): the same math as torch ops (``cpu_fusions``' sigmoid form, which
+  also serves Megatron's functions where these operators do not apply); Meta: the C++ Meta kernel, so
+  ``torch.compile`` keeps the operator in its graph.
 * ``torch.ops.ascendspeed.bias_gelu_backward(grad, y, bias)``: the gradient of ``y`` (the bias's is its sum
   over the leading dimensions), from the same sigmoid: ``grad * (s + 2 x s (1 - s) (k + 3 c k x^2))``.
 
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 import torch
 
+from ascendspeed.accelerator.cpu_fusions import (
+    CUBIC,
+    SQRT_2_OVER_PI,
+    bias_gelu_back_sigmoid_form,
+    bias_gelu_sigmoid_form,
+)
 from ascendspeed.ops._autograd import refuse_autograd, register_autograd
 from ascendspeed.ops._extension import composite_kernel_devices, load_extension
 
 __all__ = ["bias_gelu", "bias_gelu_reference"]
 
 load_extension()  # defines the two operators and their CPU and Meta kernels
-
-#: Megatron's constants: sqrt(2 / pi), GeLU's cubic coefficient, and 3 * 0.044715 * sqrt(2 / pi).
-SQRT_2_OVER_PI = 0.79788456
-CUBIC = 0.044715
-CUBIC_SLOPE = 0.1070322243
-
 
 def bias_gelu(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(y + bias)``, ``bias`` of shape ``y.shape[-1:]`` and the dtype of ``y`` (float32, bfloat16,
@@ -45,24 +46,6 @@ def bias_gelu_reference(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return x * 0.5 * (1.0 + torch.tanh(SQRT_2_OVER_PI * x * (1 + CUBIC * x * x)))
 
 
-def _sum(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``y + bias`` in the math type (fp32 for reduced precision, fp64 for fp64)."""
-    opmath = torch.promote_types(y.dtype, torch.float32)
-    return y.to(opmath) + bias.to(opmath)
-
-
-def _composite_forward(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    x = _sum(y, bias)
-    return (x * torch.sigmoid(2 * SQRT_2_OVER_PI * x * (1 + CUBIC * x * x))).to(y.dtype)
-
-
-def _composite_backward(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    x = _sum(y, bias)
-    s = torch.sigmoid(2 * SQRT_2_OVER_PI * x * (1 + CUBIC * x * x))
-    derivative = s + 2 * x * s * (1 - s) * (SQRT_2_OVER_PI + CUBIC_SLOPE * x * x)
-    return (grad.to(x.dtype) * derivative).to(y.dtype)
-
-
 def _checked(op: str, *args: torch.Tensor) -> None:
     """The C++ argument check, through the Meta kernel on meta stand-ins of ``args``."""
     getattr(torch.ops.ascendspeed, op)(*(torch.empty_like(a, device="meta") for a in args))
@@ -70,12 +53,12 @@ def _checked(op: str, *args: torch.Tensor) -> None:
 
 def _composite_bias_gelu_kernel(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     _checked("bias_gelu", y, bias)
-    return _composite_forward(y, bias)
+    return bias_gelu_sigmoid_form(bias, y)
 
 
 def _composite_bias_gelu_backward_kernel(grad: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     _checked("bias_gelu_backward", grad, y, bias)
-    return _composite_backward(grad, y, bias)
+    return bias_gelu_back_sigmoid_form(grad, bias, y)
 
 
 for _device in composite_kernel_devices():
@@ -93,7 +76,7 @@ def _backward(ctx, grad: torch.Tensor):
     composition of the same formula."""
     y, bias = ctx.saved_tensors
     if torch.is_grad_enabled() and any(t.requires_grad for t in (grad, y, bias)):
-        grad_y = _composite_backward(grad, y, bias)
+        grad_y = bias_gelu_back_sigmoid_form(grad, bias, y)
     else:
         grad_y = torch.ops.ascendspeed.bias_gelu_backward(grad, y, bias)
     grad_bias = grad_y.sum(tuple(range(grad_y.dim() - 1))) if ctx.needs_input_grad[1] else None
