@@ -48,9 +48,9 @@ SUITES = ("transformer", "models", "tensor_parallel", "pipeline_parallel", "dist
 
 #: (reason, pattern on the message of a test that did not pass), first match wins.
 REASONS = (
-    # A Megatron-FSDP DTensor of an earlier test's model-parallel state names a group destroyed with that state:
-    # groups of live DeviceMeshes are kept; this mesh was not seen alive (issue 23, docs/megatron-lm-on-cpu.md)
-    ("open in ascendspeed: a group of an earlier model-parallel state's DeviceMesh, destroyed with its state",
+    # A Megatron-FSDP DTensor of an earlier test's model-parallel state names a group destroyed with that state.
+    # The groups of every live DeviceMesh, made or copied, are kept (docs/megatron-lm-on-cpu.md): this is ours.
+    ("open in ascendspeed: a group a DeviceMesh still names, destroyed with its model-parallel state",
      r"^RuntimeError: Could not resolve the process group registered under the name"),
     # test_grad_sync_with_expert_parallel sets its expected expert gradient only when ep_size > 1, while experts
     # with ETP != TP reduce over expert groups at EP 1 too (TE's wrapper agrees): an UnboundLocalError anywhere

@@ -208,7 +208,8 @@ def wrap_process_group_name(original):
     return _process_group_name
 
 
-_device_meshes: "weakref.WeakSet" = weakref.WeakSet()
+# By identity: meshes compare equal by layout alone, so a set would take a later state's mesh for an earlier one's.
+_device_meshes: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _meshed_group_names: set = set()
 
 
@@ -219,7 +220,7 @@ def groups_named_by_device_meshes() -> set:
     as NCCL's groups do (``cpu_megatron_core`` destroys the others with their state). torch names a mesh's
     groups after ``__init__`` (``DeviceMesh.from_group``, sub-meshes), so the names are collected from the
     meshes still alive whenever a mesh is made and whenever this is asked."""
-    for mesh in list(_device_meshes):
+    for mesh in list(_device_meshes.values()):
         _meshed_group_names.update(getattr(mesh, "_dim_group_names", None) or ())
     return _meshed_group_names
 
@@ -234,9 +235,22 @@ def wrap_device_mesh_init(original):
     def __init__(self, device_type, *args, **kwargs):
         groups_named_by_device_meshes()
         original(self, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
-        _device_meshes.add(self)
+        _device_meshes[id(self)] = self
 
     return __init__
+
+
+def wrap_device_mesh_setstate(original):
+    """A ``DeviceMesh`` copied (``copy.deepcopy`` of a state dict holding DTensors, pickling) is made without
+    ``__init__``; the copy names the same groups and can outlive the mesh it came from, so it is remembered
+    too (``groups_named_by_device_meshes``)."""
+
+    @functools.wraps(original)
+    def __setstate__(self, state):
+        original(self, state)
+        _device_meshes[id(self)] = self
+
+    return __setstate__
 
 
 class CpuStream(torch.cpu.Stream):
@@ -459,6 +473,8 @@ def patches():
              name="cpu runtime: wrap _process_group_name, gloo groups serving nccl named by their members too"),
         wrap("torch.distributed.device_mesh:DeviceMesh.__init__", wrap_device_mesh_init, expect=EXISTS,
              name="cpu runtime: wrap DeviceMesh.__init__, a CUDA mesh is the CPU's, its groups recorded"),
+        wrap("torch.distributed.device_mesh:DeviceMesh.__setstate__", wrap_device_mesh_setstate,
+             expect="(self, state)", name="cpu runtime: wrap DeviceMesh.__setstate__, a copied mesh's groups recorded"),
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
              expect="(output_tensor, input_tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),

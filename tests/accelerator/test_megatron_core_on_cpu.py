@@ -190,22 +190,30 @@ def _rebuilt_parallel_state(rank, world_size):
 
 
 def _meshed_group_outlives_its_state(rank, world_size):
-    """A DeviceMesh over a state's data-parallel group (Megatron-FSDP's) still reaches it by name under the next
-    state, as on NCCL; the state's other groups are destroyed with it."""
+    """DeviceMeshes over a state's groups (Megatron-FSDP's) still reach them by name under the next state, as on
+    NCCL: a mesh kept alive, and a copy of a mesh (a deep-copied state dict's) that outlives its original. The
+    state's other groups are destroyed with it."""
+    import copy
+
     from megatron.core import parallel_state
     from torch.distributed import DeviceMesh, distributed_c10d
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    meshed, other = parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    meshed = parallel_state.get_data_parallel_group()
+    copied = parallel_state.get_tensor_model_parallel_group()
+    other = parallel_state.get_pipeline_model_parallel_group()
     mesh = DeviceMesh.from_group(meshed, "cuda")
-    names = meshed.group_name, other.group_name
+    copied_mesh = copy.deepcopy(DeviceMesh.from_group(copied, "cuda"))
+    names = meshed.group_name, copied.group_name, other.group_name
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     summed = torch.full((3,), float(rank + 1))
     torch.distributed.all_reduce(summed, group=mesh.get_group())
+    own = torch.full((3,), float(rank + 1))
+    torch.distributed.all_reduce(own, group=copied_mesh.get_group())
     alive = [name in distributed_c10d._world.pg_names.values() for name in names]
     parallel_state.destroy_model_parallel()
-    return summed, alive
+    return summed, own, alive
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +299,7 @@ def test_a_group_a_device_mesh_names_outlives_its_state_as_on_nccl(two_ranks):
     """Megatron-FSDP's DTensors carry their mesh across model-parallel states, and the mesh finds its groups by
     name: those groups are kept (Megatron's GPT-to-hybrid Megatron-FSDP checkpoint tests load one layout's model
     into another's); the state's other groups still go with it."""
-    for rank, (summed, (meshed_alive, other_alive)) in enumerate(two_ranks[3]):
+    for rank, (summed, own, (meshed_alive, copied_alive, other_alive)) in enumerate(two_ranks[3]):
         assert torch.equal(summed, torch.full((3,), 3.0)), f"rank {rank}"
-        assert meshed_alive and not other_alive, f"rank {rank}"
+        assert torch.equal(own, torch.full((3,), float(rank + 1))), f"rank {rank}"
+        assert meshed_alive and copied_alive and not other_alive, f"rank {rank}"
