@@ -43,6 +43,15 @@ CPU_ARGUMENT_DEFAULTS = {
     "distributed_backend": ("gloo", "--distributed-backend gloo"),
 }
 
+#: Megatron-LM defaults that run on a CPU but cost it, with the CPU default and the flag that selects it; any
+#: explicit value is taken as given. Data-loader worker processes (``--num-workers 2``) overlap batch reading with
+#: a GPU's step using spare cores; on a CPU the ranks' threads are the compute and take every core, so the workers
+#: only take cores from them, and each batch comes back through torch's file-descriptor hand-over (4-5 ms per
+#: batch against 0.4 ms read in-process; docs/megatron-lm-on-cpu.md).
+CPU_PREFERRED_DEFAULTS = {
+    "num_workers": (0, "--num-workers 0"),
+}
+
 #: Megatron-LM flags that need CUDA-only code: (dest, value that is refused, the flag, why, the fix), refused
 #: before Megatron-LM's own validation. ``--moe-grouped-gemm`` runs on the TE fallback's grouped linears
 #: (``te_fallback.grouped_linear``); its CUDA compute-capability check is answered in ``validation_environment``.
@@ -91,8 +100,9 @@ def cpu_device_arch_version() -> int:
 
 
 def set_cpu_defaults(parser) -> None:
-    """Megatron-LM's parser defaults become the CPU-capable ones; an explicit flag still wins."""
-    parser.set_defaults(**{dest: value for dest, (value, _) in CPU_ARGUMENT_DEFAULTS.items()})
+    """Megatron-LM's parser defaults become the CPU-capable (and CPU-preferred) ones; an explicit flag still wins."""
+    defaults = {**CPU_ARGUMENT_DEFAULTS, **CPU_PREFERRED_DEFAULTS}
+    parser.set_defaults(**{dest: value for dest, (value, _) in defaults.items()})
 
 
 def _served_otherwise(dest: str, value) -> bool:

@@ -112,14 +112,15 @@ def megatron_lm_arguments():
 
 
 def test_parser_defaults_are_the_cpu_flags(megatron_lm_arguments):
-    from ascendspeed.accelerator.cpu_megatron_lm import CPU_ARGUMENT_DEFAULTS
+    from ascendspeed.accelerator.cpu_megatron_lm import CPU_ARGUMENT_DEFAULTS, CPU_PREFERRED_DEFAULTS
 
     parser = megatron_lm_arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     args = parser.parse_args([])
-    for dest, (value, _) in CPU_ARGUMENT_DEFAULTS.items():
+    for dest, (value, _) in {**CPU_ARGUMENT_DEFAULTS, **CPU_PREFERRED_DEFAULTS}.items():
         assert getattr(args, dest) == value, dest
-    explicit = parser.parse_args(["--transformer-impl", "transformer_engine"])
-    assert explicit.transformer_impl == "transformer_engine"
+    assert args.num_workers == 0
+    explicit = parser.parse_args(["--transformer-impl", "transformer_engine", "--num-workers", "2"])
+    assert explicit.transformer_impl == "transformer_engine" and explicit.num_workers == 2
 
 
 def test_gpu_only_flag_is_rejected_naming_the_cpu_flag(megatron_lm_arguments):
