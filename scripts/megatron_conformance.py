@@ -17,6 +17,9 @@ a test that failed on another rank counted as failed. Needs Megatron's test depe
 ``requests``, ``pytest-mock``: ``pip install click requests pytest-mock``). Nothing of Megatron's tests is edited
 or patched by name.
 
+A rank the kernel's out-of-memory killer takes is named in its file's note (the other ranks, waiting for it in a
+collective, are stopped a minute later instead of at the timeout).
+
 For every test that does not pass, the reason is classified from its message (``REASONS``: a CUDA-only
 kernel, Transformer Engine, fp8, CUDA graphs, ...); what no rule names is listed as "not classified".
 Every outcome is kept in ``--store`` (JSON): a run replaces the results of the files it ran and keeps the
@@ -31,6 +34,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Seconds the other ranks get to finish after one was killed for memory (they wait for it in a collective).
+KILLED_RANK_GRACE_S = 60
 DEFAULT_TREE = ROOT.parent / "shared" / "megatron-lm" / "core_v0.19.0"
 #: The suites the conformance target starts with (tests/unit_tests/...).
 SUITES = ("transformer", "models", "tensor_parallel", "pipeline_parallel", "distributed", "dist_checkpointing",
@@ -158,6 +164,33 @@ def _read_report(path: Path) -> dict[str, Outcome]:
     return outcomes
 
 
+def _wait_for_ranks(processes: list, deadline: float, timeout: float) -> str:
+    """Wait for every rank; what went wrong, or "". A rank killed by SIGKILL that this script did not kill was
+    taken by the kernel's out-of-memory killer: the others then wait in a collective for it, so they get
+    ``KILLED_RANK_GRACE_S`` to finish before they are stopped too."""
+    killed: list[int] = []
+    while any(process.poll() is None for process in processes):
+        if time.perf_counter() > deadline:
+            for process in processes:
+                process.kill()
+            for process in processes:
+                process.wait()
+            if killed:
+                break
+            return f"timed out after {timeout:.0f} s"
+        if not killed:
+            killed = [rank for rank, process in enumerate(processes) if process.returncode == -signal.SIGKILL]
+            if killed:
+                deadline = min(deadline, time.perf_counter() + KILLED_RANK_GRACE_S)
+        time.sleep(0.5)
+    killed = killed or [rank for rank, process in enumerate(processes) if process.returncode == -signal.SIGKILL]
+    if killed:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return (f"out of memory: rank(s) {', '.join(map(str, killed))} killed by the kernel ({len(processes)} ranks "
+                f"in {memory:.0f} GiB)")
+    return ""
+
+
 def _run_session(tree: Path, targets: list[str], processes: int, timeout: float):
     """One pytest session per rank on ``targets``; returns (rank 0's outcomes with the failures of other ranks
     put in, or None when rank 0 wrote no report; seconds; what went wrong)."""
@@ -167,27 +200,21 @@ def _run_session(tree: Path, targets: list[str], processes: int, timeout: float)
                            ASCENDSPEED_DEVICE=os.environ.get("ASCENDSPEED_DEVICE", "cpu"))
         ranks, start = [], time.perf_counter()
         for rank in range(processes):
-            report = Path(scratch) / f"rank{rank}.xml"
+            report, log = Path(scratch) / f"rank{rank}.xml", Path(scratch) / f"rank{rank}.log"
             # Each rank's own base folder under this session's scratch: Megatron's shared checkpoint folder
             # (``tmp_path_dist_ckpt``, beside the base folder) is then the session's, and no other pytest session
             # on the machine prunes it as one of its old numbered folders.
             command = [sys.executable, "-m", "pytest", "-p", "ascendspeed.megatron_adaptor", "-p", "no:cacheprovider",
                        "-q", "--continue-on-collection-errors", f"--junitxml={report}", "--rootdir", str(tree),
                        f"--basetemp={Path(scratch) / f'rank{rank}'}", *targets]
-            ranks.append((report, subprocess.Popen(command, cwd=tree, env=dict(environment, RANK=str(rank),
-                                                                               LOCAL_RANK=str(rank)),
-                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
-        problem, logs = "", []
-        for report, process in ranks:
-            try:
-                logs.append(process.communicate(timeout=max(1.0, timeout - (time.perf_counter() - start)))[0])
-            except subprocess.TimeoutExpired:
-                for _, other in ranks:
-                    other.kill()
-                problem = f"timed out after {timeout:.0f} s"
-                logs.append("")
+            with open(log, "w") as output:
+                ranks.append((report, log, subprocess.Popen(
+                    command, cwd=tree, env=dict(environment, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=output,
+                    stderr=subprocess.STDOUT, text=True)))
+        problem = _wait_for_ranks([process for _, _, process in ranks], start + timeout, timeout)
+        logs = [log.read_text(errors="replace") for _, log, _ in ranks]
         seconds = time.perf_counter() - start
-        reports = [report for report, _ in ranks]
+        reports = [report for report, _, _ in ranks]
         if not reports[0].exists():
             tail = " | ".join((logs[0] or "").strip().splitlines()[-3:])[:300]
             return None, seconds, problem or f"no report: {tail}"

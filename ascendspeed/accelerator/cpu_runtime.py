@@ -39,7 +39,10 @@ each call site, these shims give the entry points the meaning they have when the
 * ``all_reduce`` in a group whose ranks all run on this host goes through shared memory instead of gloo's sockets
   (``cpu_shared_memory``: 2-5x faster; an asynchronous call completes when issued);
 * a ``DeviceMesh`` of device type ``"cuda"`` is a CPU mesh (its groups are gloo's), so torch's FSDP2 keeps
-  its shards on the CPU.
+  its shards on the CPU;
+* ``torch.distributed.nn.functional.all_to_all`` (autograd's list all-to-all: megatron-core's multimodal CP
+  gather) runs on any group with shards of any size, as on NCCL: torch's gloo path scattered from group ranks
+  taken as global ones and wanted equal shards.
 """
 from __future__ import annotations
 
@@ -427,6 +430,33 @@ class _PlacedOnWait:
         return self._placed
 
 
+def wrap_autograd_all_to_all_forward(original):
+    """Autograd's list all-to-all, on gloo, as NCCL runs it. torch's gloo path scatters from each rank of the group
+    in turn: it passes the group rank as ``src``, a global rank ("Global rank 0 is not part of group" on a group
+    without global rank 0), and gloo's scatter wants every shard of the output's size, where NCCL's
+    ``all_to_all`` sends each peer a shard of its own size (the backward always does: it returns each peer the
+    gradient of what that peer sent). Here the shards travel flattened in one ``all_to_all_single`` by their
+    sizes. NCCL's path is torch's."""
+
+    @functools.wraps(original)
+    def forward(ctx, group, out_tensor_list, *tensors):
+        distributed = torch.distributed
+        if distributed.get_backend(group=group) != distributed.Backend.GLOO:
+            return original(ctx, group, out_tensor_list, *tensors)
+        ctx.group = group
+        ctx.input_tensor_size_list = [tensor.size() for tensor in tensors]
+        sent = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        received_sizes = [output.numel() for output in out_tensor_list]
+        received = sent.new_empty(sum(received_sizes))
+        distributed.all_to_all_single(received, sent, received_sizes, [tensor.numel() for tensor in tensors],
+                                      group=group)
+        for output, shard in zip(out_tensor_list, received.split(received_sizes)):
+            output.copy_(shard.view(output.shape))
+        return tuple(out_tensor_list)
+
+    return forward
+
+
 def wrap_all_gather(original):
     """``all_gather`` of shards of different shapes, as on NCCL: gloo gathers them padded to the largest."""
 
@@ -478,6 +508,9 @@ def patches():
         wrap("torch.distributed.distributed_c10d:all_gather_into_tensor", wrap_all_gather_into_tensor,
              expect="(output_tensor, input_tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather_into_tensor, any shape of the gathered elements"),
+        wrap("torch.distributed.nn.functional:_AlltoAll.forward", wrap_autograd_all_to_all_forward,
+             expect="(ctx, group, out_tensor_list, *tensors)",
+             name="cpu runtime: wrap autograd's all_to_all forward, any group and shard sizes as on NCCL"),
         wrap("torch.distributed.distributed_c10d:all_gather", wrap_all_gather,
              expect="(tensor_list, tensor, group=None, async_op=False)",
              name="cpu runtime: wrap all_gather, shards of different sizes as NCCL gathers them"),

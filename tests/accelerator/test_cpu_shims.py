@@ -262,6 +262,21 @@ def _shared_memory_all_reduces(rank, world_size):
             (overlapped, work.get_future().value()[0], completed_at_once))
 
 
+def _autograd_all_to_all(rank, world_size):
+    """Autograd's list all-to-all with shards of the sender's size (megatron-core's multimodal CP gather), on the
+    world and on a one-rank group of each rank (rank 1's does not hold global rank 0), forward and backward."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_to_all
+
+    inputs = [torch.full((rank + 1, 2), 10.0 * rank + peer, requires_grad=True) for peer in range(world_size)]
+    outputs = all_to_all([torch.empty(peer + 1, 2) for peer in range(world_size)], inputs)
+    sum((output * (peer + 1)).sum() for peer, output in enumerate(outputs)).backward()
+    singletons = [dist.new_group([member]) for member in range(world_size)]
+    alone = torch.arange(6.0).view(3, 2) + rank
+    (alone_out,) = all_to_all([torch.empty(3, 2)], [alone], group=singletons[rank])
+    return [output.detach() for output in outputs], [tensor.grad for tensor in inputs], alone_out
+
+
 @pytest.fixture(scope="module")
 def nccl_world_job(tmp_path_factory):
     """One 2-rank job: the world asked for NCCL, then NCCL's collective shapes on it."""
@@ -269,7 +284,8 @@ def nccl_world_job(tmp_path_factory):
 
     store = tmp_path_factory.mktemp("nccl_world") / "store"
     return run_distributed_cases(call, 2, [(_world_asked_for_nccl, str(store)), (_collectives_into_other_shapes,),
-                                           (_premul_sums,), (_shared_memory_all_reduces,)], timeout=180)
+                                           (_premul_sums,), (_shared_memory_all_reduces,),
+                                           (_autograd_all_to_all,)], timeout=180)
 
 
 def test_groups_asked_for_nccl_connect_on_first_use_as_nccl_does(nccl_world_job):
@@ -291,6 +307,19 @@ def test_collectives_take_the_tensors_nccl_takes(nccl_world_job):
         for peer, (rows, values) in enumerate(zip(uneven, empty_shard)):
             assert torch.equal(rows, torch.arange(4.0 + 6 * peer).view(-1, 2) + 100 * peer)
             assert torch.equal(values, torch.arange(3.0 * peer, dtype=torch.bfloat16))
+
+
+def test_autograd_all_to_all_runs_on_any_group_as_on_nccl(nccl_world_job):
+    """torch's gloo path of ``torch.distributed.nn.functional.all_to_all`` scattered from group ranks taken as
+    global ranks, failing on a group without global rank 0 (Megatron's multimodal CP tests, CP groups past the
+    first), and gloo's scatter refused shards of different sizes (every backward here sends them). Rank r
+    receives peer p's shard of p + 1 rows holding 10 p + r; the gradient of each shard rank r sent is the weight
+    its receiver gave it (r + 1)."""
+    for rank, (outputs, grads, alone) in enumerate(nccl_world_job[4]):
+        for peer, (output, grad) in enumerate(zip(outputs, grads)):
+            assert torch.equal(output, torch.full((peer + 1, 2), 10.0 * peer + rank)), f"rank {rank}, from {peer}"
+            assert torch.equal(grad, torch.full((rank + 1, 2), float(rank + 1))), f"rank {rank}, to {peer}"
+        assert torch.equal(alone, torch.arange(6.0).view(3, 2) + rank), f"rank {rank}"
 
 
 def test_premul_sum_scales_and_sums_as_nccl_does(nccl_world_job):

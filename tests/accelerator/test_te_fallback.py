@@ -250,6 +250,19 @@ def test_te_spec_layer_equals_local_spec_layer(megatron_world, case):
             disable_features(["fused_swiglu", "local_norm"])
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_te_spec_attention_runs_fused_as_te_does(megatron_world, dropout):
+    """TE's attention is a fused kernel that never holds the [b, heads, s, s] scores; the stand-in runs the fused
+    kernel wherever it computes megatron-core's function, and megatron-core's materialised path where it does not
+    (attention dropout in training draws its mask from Megatron's RNG tracker)."""
+    config = _config(params_dtype=torch.float32, attention_dropout=dropout)
+    layer = build_module(get_gpt_layer_with_transformer_engine_spec(), config=config, layer_number=1)
+    output, _ = layer(torch.randn(16, 2, 32, requires_grad=True), attention_mask=None)
+    names = " ".join(backward_nodes(output))
+    fused = "ScaledDotProductFlashAttentionForCpuBackward" in names
+    assert fused == (dropout == 0.0) and ("SoftmaxBackward" in names) == (dropout > 0.0), names
+
+
 def _assert_same_step(local, te, hidden, attention_mask=None):
     assert type(te.self_attention.core_attention).__name__ == "LocalTEDotProductAttention"
     expected = _step(local, hidden, attention_mask)

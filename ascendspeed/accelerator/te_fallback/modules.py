@@ -17,7 +17,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from ascendspeed.accelerator.cpu_half_gemm import multiplies_in_fp32, widened_dtypes
 from ascendspeed.features.local_mla.attention import set_head_sizes
 from ascendspeed.features.local_norm.norm import LocalNorm
-from ascendspeed.ops.core_attention import packed_core_attention
+from ascendspeed.ops.core_attention import fused_core_attention, packed_core_attention
 
 _WHERE = "Transformer Engine is not installed; ascendspeed builds megatron-core's local modules for its classes"
 
@@ -290,9 +290,30 @@ class LocalTEDotProductAttention(DotProductAttention):
                                             fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
             if context is not None:
                 return context
+        plan = self._fused_plan(query, key, attention_mask, attention_bias, packed_seq_params)
+        if plan is not None:
+            return fused_core_attention(self, query, key, value, plan,
+                                        fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
         _make_the_global_memory_buffer_where_missing()
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    def _fused_plan(self, query, key, attention_mask, attention_bias, packed_seq_params):
+        """TE's attention is a fused kernel: it never holds the [b, heads, sq, sk] scores that megatron-core's
+        local attention materialises (with the softmax's output, for backward). The stand-in runs ascendspeed's
+        fused kernel wherever that computes megatron-core's function (the ``fused_attention`` feature's rules: no
+        bias, ALiBi or training-time dropout, a mask it reproduces exactly), so a TE-spec model keeps TE's memory
+        (Megatron's LLaVA test at 2,753 tokens: 18 GiB per rank on the local path); the mask plan, or None."""
+        from ascendspeed.features.fused_attention import attention as fused_attention
+
+        if packed_seq_params is not None or fused_attention.why_unfused(self, attention_mask, attention_bias,
+                                                                        None) is not None:
+            return None
+        settings = fused_attention.FusedAttentionSettings(cpu_fp32_gemm_dtypes=self._fp32_product_dtypes)
+        if fused_attention.megatron_is_faster(query, key, settings):
+            return None
+        return fused_attention.mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0],
+                                         key.shape[0])
 
 
 def _make_the_global_memory_buffer_where_missing() -> None:

@@ -106,7 +106,7 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
+def megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
     """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
     if (query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION
             or query.dtype in settings.cpu_fp32_gemm_dtypes):
@@ -130,7 +130,7 @@ def wrap_attention_forward(original, settings: FusedAttentionSettings):
             if context is not None:
                 return context
         plan = None
-        if reason is None and packed_seq_params is None and not _megatron_is_faster(query, key, settings):
+        if reason is None and packed_seq_params is None and not megatron_is_faster(query, key, settings):
             plan = mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
         if plan is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
