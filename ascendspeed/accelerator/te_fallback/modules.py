@@ -303,7 +303,7 @@ class LocalTEDotProductAttention(DotProductAttention):
         local attention materialises (with the softmax's output, for backward). The stand-in runs ascendspeed's
         fused kernel wherever that computes megatron-core's function (the ``fused_attention`` feature's rules: no
         bias, ALiBi or training-time dropout, a mask it reproduces exactly), so a TE-spec model keeps TE's memory
-        (Megatron's LLaVA test at 2,753 tokens: 18 GiB per rank on the local path); the mask plan, or None."""
+        (torch's CPU SDPA with dropout materialises the scores too, so dropout gains nothing); the plan, or None."""
         from ascendspeed.features.fused_attention import attention as fused_attention
 
         if packed_seq_params is not None or fused_attention.why_unfused(self, attention_mask, attention_bias,
