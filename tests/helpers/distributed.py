@@ -19,6 +19,7 @@ connecting to a stranger until the timeout.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -42,6 +43,8 @@ FORKSERVER_PRELOAD = ["tests.helpers.forkserver_preload"]
 
 
 def _worker(rank, world_size, port, fn, args, result_dir, environment):
+    # A rank that dies of a signal (a native crash) prints every thread's Python stack to the captured stderr.
+    faulthandler.enable(all_threads=True)
     os.environ.clear()
     os.environ.update(environment)
     os.environ.update(
