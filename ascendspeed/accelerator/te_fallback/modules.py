@@ -290,7 +290,7 @@ class LocalTEDotProductAttention(DotProductAttention):
                                             fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
             if context is not None:
                 return context
-        plan = self._fused_plan(query, key, attention_mask, attention_bias, packed_seq_params)
+        plan = self._fused_plan(query, key, attention_mask, attention_bias) if packed_seq_params is None else None
         if plan is not None:
             return fused_core_attention(self, query, key, value, plan,
                                         fp32_gemms=multiplies_in_fp32(query, self._fp32_product_dtypes))
@@ -298,7 +298,7 @@ class LocalTEDotProductAttention(DotProductAttention):
         return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
-    def _fused_plan(self, query, key, attention_mask, attention_bias, packed_seq_params):
+    def _fused_plan(self, query, key, attention_mask, attention_bias):
         """TE's attention is a fused kernel: it never holds the [b, heads, sq, sk] scores that megatron-core's
         local attention materialises (with the softmax's output, for backward). The stand-in runs ascendspeed's
         fused kernel wherever that computes megatron-core's function (the ``fused_attention`` feature's rules: no
@@ -306,14 +306,8 @@ class LocalTEDotProductAttention(DotProductAttention):
         (torch's CPU SDPA with dropout materialises the scores too, so dropout gains nothing); the plan, or None."""
         from ascendspeed.features.fused_attention import attention as fused_attention
 
-        if packed_seq_params is not None or fused_attention.why_unfused(self, attention_mask, attention_bias,
-                                                                        None) is not None:
-            return None
         settings = fused_attention.FusedAttentionSettings(cpu_fp32_gemm_dtypes=self._fp32_product_dtypes)
-        if fused_attention.megatron_is_faster(query, key, settings):
-            return None
-        return fused_attention.mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0],
-                                         key.shape[0])
+        return fused_attention.fused_plan(self, query, key, attention_mask, attention_bias, settings)
 
 
 def _make_the_global_memory_buffer_where_missing() -> None:

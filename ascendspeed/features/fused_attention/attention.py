@@ -106,7 +106,7 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-def megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
+def _megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAttentionSettings) -> bool:
     """Megatron's [s, b, heads, d] query and key: whether its materialised path beats the flash kernel here."""
     if (query.device.type != "cpu" or query.dtype not in CPU_REDUCED_PRECISION
             or query.dtype in settings.cpu_fp32_gemm_dtypes):
@@ -117,21 +117,30 @@ def megatron_is_faster(query: torch.Tensor, key: torch.Tensor, settings: FusedAt
     return True
 
 
+def fused_plan(layer, query, key, attention_mask, attention_bias,
+               settings: FusedAttentionSettings) -> Optional[MaskPlan]:
+    """The fused kernel's mask plan for an unpacked call of ``layer`` (a ``DotProductAttention``), or None where
+    Megatron's path runs: the kernel would differ from it, or Megatron's is the faster here."""
+    if (why_unfused(layer, attention_mask, attention_bias, None) is not None
+            or _megatron_is_faster(query, key, settings)):
+        return None
+    return mask_plan(layer.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
+
+
 def wrap_attention_forward(original, settings: FusedAttentionSettings):
     """Megatron's forward where the fused kernel would differ from it, the fused kernel everywhere else."""
 
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        reason = why_unfused(self, attention_mask, attention_bias, packed_seq_params)
         fp32 = multiplies_in_fp32(query, settings.cpu_fp32_gemm_dtypes)
-        if reason is None and packed_seq_params is not None and query.dim() == 3:
+        if (packed_seq_params is not None and query.dim() == 3
+                and why_unfused(self, attention_mask, attention_bias, packed_seq_params) is None):
             context = packed_core_attention(self, query, key, value, packed_seq_params, fp32_gemms=fp32)
             if context is not None:
                 return context
-        plan = None
-        if reason is None and packed_seq_params is None and not megatron_is_faster(query, key, settings):
-            plan = mask_plan(self.attn_mask_type.name == "causal", attention_mask, query.shape[0], key.shape[0])
+        plan = fused_plan(self, query, key, attention_mask, attention_bias, settings) if packed_seq_params is None \
+            else None
         if plan is None:
             return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
                             packed_seq_params)
